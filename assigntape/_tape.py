@@ -1,0 +1,202 @@
+"""``AssignAwareTape``: a ``tf.GradientTape`` through which gradients cross writes."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import tensorflow as tf
+from tensorflow.python.ops import array_ops, resource_variable_ops
+from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+from tensorflow.python.util import nest
+
+from assigntape import _patches, _versions
+from assigntape._errors import NotAVariableError
+
+__all__ = ["AssignAwareTape"]
+
+
+def _as_tf_variable(x: Any) -> Optional[Any]:
+    """The ``tf.Variable`` behind ``x`` (itself, or a Keras 3 variable's), else None."""
+    if isinstance(x, resource_variable_ops.BaseResourceVariable):
+        return x
+    inner = getattr(x, "_value", None)  # Keras 3 wraps a tf.Variable in `_value`.
+    if isinstance(inner, resource_variable_ops.BaseResourceVariable):
+        return inner
+    return None
+
+
+class AssignAwareTape(tf.GradientTape):
+    """A ``tf.GradientTape`` that differentiates through variable writes.
+
+    While the tape is open, every ``assign``, ``assign_add`` and ``assign_sub``
+    to a floating-point ``tf.Variable`` (and so every Keras 3 variable write and
+    optimizer step) makes a new *version* of the variable. Later reads, by any
+    path, see that version, and gradients flow through the write into whatever
+    produced the written value. The result is the gradient of the program in which
+    every write rebinds a fresh tensor.
+
+    In ``gradient``, a variable given as a source means its value when the tape
+    started, and a variable given as a target means its latest version. Use
+    ``versions(var)`` to name any version in between. With no writes, every
+    result is exactly that of ``tf.GradientTape``.
+
+    Args:
+      persistent: As for ``tf.GradientTape``: allow more than one ``gradient``.
+      watch_accessed_variables: As for ``tf.GradientTape``: watch trainable
+        variables when they are read.
+
+    Example:
+
+    >>> a, b, c = tf.Variable(1.0), tf.Variable(2.0), tf.Variable(3.0)
+    >>> with AssignAwareTape() as tape:
+    ...     c.assign(a + b)
+    ...     loss = c ** 2
+    >>> float(tape.gradient(loss, b))
+    6.0
+    """
+
+    def __init__(self, persistent: bool = False, watch_accessed_variables: bool = True) -> None:
+        super().__init__(persistent=persistent, watch_accessed_variables=watch_accessed_variables)
+        self._scope: Optional[_versions.Scope] = None
+        # Versions current when the tape was entered (written by an outer tape).
+        self._start: Dict[str, Any] = {}
+        # unique id -> [version at tape start, version after each write here].
+        self._versions: Dict[str, List[Any]] = {}
+        # id(version handle) -> the tf.Variable it belongs to.
+        self._owners: Dict[int, Any] = {}
+
+    # -- context ---------------------------------------------------------------
+
+    def __enter__(self) -> "AssignAwareTape":
+        super().__enter__()  # raises, with nothing acquired, if already recording
+        _patches.acquire()
+        scope = self._scope = _versions.open_scope(self)
+        if not self._start and not self._versions:
+            self._start = dict(scope.current)
+        else:
+            # Re-entered after an exit: carry on from this tape's latest versions
+            # (unless a tape still open kept newer ones).
+            for uid, versions in self._versions.items():
+                scope.current.setdefault(uid, versions[-1])
+        return self
+
+    def __exit__(self, typ: Any, value: Any, traceback: Any) -> None:
+        try:
+            super().__exit__(typ, value, traceback)
+        finally:
+            if self._scope is not None:
+                _versions.close_scope(self._scope, self)
+                self._scope = None
+                _patches.release()
+
+    def reset(self) -> None:
+        """Clears the tape, as ``tf.GradientTape.reset``; versions start again here."""
+        super().reset()
+        self._versions.clear()
+        self._owners.clear()
+        self._start = dict(self._scope.current) if self._scope is not None else {}
+
+    def _note_write(self, var: Any, old: Any, new: Any, method: str) -> None:
+        versions = self._versions.get(var._unique_id)
+        if versions is None:
+            self._versions[var._unique_id] = [old, new]
+            self._owners[id(old)] = var
+        else:
+            versions.append(new)
+        self._owners[id(new)] = var
+
+    # -- versions --------------------------------------------------------------
+
+    def versions(self, variable: Any) -> Tuple[tf.Tensor, ...]:
+        """The versions of ``variable`` in this tape, oldest first.
+
+        Index 0 is the variable at the start of the tape and -1 its latest
+        version. Each version is a resource handle tensor: pass it to
+        ``gradient`` as a source or a target. Reading a handle reads the
+        variable's present value, whichever version it names.
+
+        Args:
+          variable: a ``tf.Variable`` or a Keras 3 variable.
+
+        Returns:
+          A tuple with one handle for the start and one more for each write.
+
+        Raises:
+          NotAVariableError: ``variable`` is not a variable.
+        """
+        var = _as_tf_variable(variable)
+        if var is None:
+            raise NotAVariableError(
+                f"versions() takes a tf.Variable or a Keras variable, got "
+                f"{type(variable).__name__}. Tensors have no versions: pass the "
+                f"tensor itself to gradient()."
+            )
+        versions = self._versions.get(var._unique_id)
+        if versions is not None:
+            return tuple(versions)
+        return (self._start.get(var._unique_id, _versions.canonical_handle(var)),)
+
+    def _version(self, x: Any, index: int) -> Any:
+        var = _as_tf_variable(x)
+        if var is None:
+            return x
+        versions = self._versions.get(var._unique_id)
+        if versions is not None:
+            return versions[index]
+        return self._start.get(var._unique_id, _versions.canonical_handle(var))
+
+    # -- gradients -------------------------------------------------------------
+
+    def gradient(
+        self,
+        target: Any,
+        sources: Any,
+        output_gradients: Any = None,
+        unconnected_gradients: Any = UnconnectedGradients.NONE,
+    ) -> Any:
+        """Computes gradients as ``tf.GradientTape.gradient``, across writes.
+
+        A variable among ``sources`` stands for its value at the start of the
+        tape, a variable among ``target`` for its latest version; a handle from
+        ``versions()`` stands for that version.
+
+        Args:
+          target: a nested structure of tensors, variables or versions.
+          sources: a nested structure of tensors, variables or versions.
+          output_gradients: as for ``tf.GradientTape.gradient``.
+          unconnected_gradients: ``'none'`` or ``'zero'``, as for
+            ``tf.GradientTape.gradient``. With ``'zero'``, a variable or version
+            source gets zeros of the variable's shape and dtype.
+
+        Returns:
+          Gradients in the structure of ``sources``.
+        """
+        if not self._versions and not self._start:
+            # No version other than the variables' own handles: plain TensorFlow.
+            return super().gradient(target, sources, output_gradients, unconnected_gradients)
+        if target is None:
+            return super().gradient(target, sources, output_gradients, unconnected_gradients)
+        flat_sources = nest.flatten(sources)
+        mapped_sources = [self._version(s, 0) for s in flat_sources]
+        mapped_target = nest.map_structure(lambda t: self._version(t, -1), target)
+        zero = unconnected_gradients in (UnconnectedGradients.ZERO, "zero")
+        flat_grads = super().gradient(
+            mapped_target,
+            mapped_sources,
+            output_gradients,
+            UnconnectedGradients.NONE if zero else unconnected_gradients,
+        )
+        if zero:
+            flat_grads = [
+                self._zeros_for(raw, mapped) if g is None else g
+                for g, raw, mapped in zip(flat_grads, flat_sources, mapped_sources)
+            ]
+        return nest.pack_sequence_as(sources, flat_grads)
+
+    def _zeros_for(self, raw: Any, mapped: Any) -> Any:
+        # TensorFlow cannot build zeros for a raw resource handle (it has no
+        # float shape or dtype); build them from the variable's own.
+        var = _as_tf_variable(raw) or self._owners.get(id(mapped))
+        if var is not None:
+            return array_ops.zeros(var.shape, dtype=var.dtype)
+        return array_ops.zeros_like(mapped)

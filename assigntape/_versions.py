@@ -1,0 +1,147 @@
+"""Version bookkeeping: which handle tensor is each variable's current version.
+
+Every write made while an ``AssignAwareTape`` is open gives the variable a new
+*version*: a new handle tensor for the same resource. The mapping from a variable
+to its current version lives here, never on the variable object, so that:
+
+* threads do not see each other's versions (``threading.local``);
+* a ``tf.function`` being traced does not see the versions of the eager tape
+  around it, and so captures the variable's own (canonical) handle. One scope is
+  kept for eager execution and one per ``FuncGraph`` in which a tape is open.
+
+``HandleDescriptor`` is installed over ``BaseResourceVariable._handle`` while any
+tape is open. Python (``self._handle``, ``self.handle``) and TensorFlow's C++ fast
+path (``PyObject_GetAttrString(var, "_handle")``) both look the attribute up, so
+every read of every kind goes to the current version.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from tensorflow.python.eager import context
+from tensorflow.python.framework import ops
+
+if TYPE_CHECKING:  # pragma: no cover
+    from assigntape._tape import AssignAwareTape
+
+__all__ = ["Scope", "HandleDescriptor", "scope_for_write", "open_scope", "close_scope"]
+
+_tls = threading.local()
+
+
+class Scope:
+    """The versions of one thread in one graph (``None`` for eager execution)."""
+
+    __slots__ = ("key", "current", "tapes")
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+        # The variable's ``_unique_id`` -> its current version's handle. Keying by
+        # the unique id rather than the object makes the ``_UnreadVariable`` that
+        # ``assign()`` returns (a separate object on the same resource) see the
+        # same versions as the variable it came from.
+        self.current: Dict[str, Any] = {}
+        # Open AssignAwareTapes in this scope, outermost first.
+        self.tapes: List["AssignAwareTape"] = []
+
+
+def _scopes() -> Dict[Any, Scope]:
+    scopes = getattr(_tls, "scopes", None)
+    if scopes is None:
+        scopes = _tls.scopes = {}
+    return scopes
+
+
+def current_key() -> Any:
+    return None if context.executing_eagerly() else ops.get_default_graph()
+
+
+def open_scope(tape: "AssignAwareTape") -> Scope:
+    """Registers ``tape`` as open in the current thread and graph."""
+    scopes = _scopes()
+    key = current_key()
+    scope = scopes.get(key)
+    if scope is None:
+        scope = scopes[key] = Scope(key)
+    scope.tapes.append(tape)
+    return scope
+
+
+def close_scope(scope: Scope, tape: "AssignAwareTape") -> None:
+    """Unregisters ``tape``; the last tape out drops the scope's versions."""
+    scope.tapes.remove(tape)
+    if not scope.tapes:
+        scope.current.clear()
+        _scopes().pop(scope.key, None)
+
+
+def _enclosing_scope(scopes: Dict[Any, Scope]) -> Optional[Scope]:
+    """The scope of the current graph or, inside a control-flow body, of the
+    nearest enclosing graph that has one."""
+    if context.executing_eagerly():
+        return scopes.get(None)
+    graph: Any = ops.get_default_graph()
+    while graph is not None:
+        scope = scopes.get(graph)
+        if scope is not None:
+            return scope
+        # A tf.cond branch or while body is a FuncGraph whose outer_graph is the
+        # function around it; a captured outer tensor is valid inside.
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
+def scope_for_write() -> Optional[Scope]:
+    """The scope a write in the current context belongs to, or ``None``.
+
+    Returns ``None`` when no tape is open here (the write is plain TensorFlow),
+    and raises ``ControlFlowWriteError`` for a write in a control-flow body
+    nested inside a graph that has a tape.
+    """
+    scopes = getattr(_tls, "scopes", None)
+    if not scopes:
+        return None
+    scope = _enclosing_scope(scopes)
+    if scope is not None and scope.key is not current_key():
+        from assigntape._errors import ControlFlowWriteError
+
+        raise ControlFlowWriteError(
+            "a variable tracked by an AssignAwareTape was written inside a graph "
+            "control-flow body (tf.cond / tf.while_loop / autograph loop over a "
+            "tensor). The new version cannot leave that body. Unroll the loop in "
+            "Python (for _ in range(n)) or open the tape inside the body."
+        )
+    return scope
+
+
+class HandleDescriptor:
+    """Data descriptor for ``BaseResourceVariable._handle``: the current version."""
+
+    def __get__(self, inst: Any, owner: Any = None) -> Any:
+        if inst is None:
+            return self
+        d = inst.__dict__
+        scopes = getattr(_tls, "scopes", None)
+        if scopes:
+            scope = _enclosing_scope(scopes)
+            if scope is not None:
+                handle = scope.current.get(d.get("_unique_id"))
+                if handle is not None:
+                    return handle
+        try:
+            return d["_handle"]
+        except KeyError:
+            raise AttributeError("_handle") from None
+
+    def __set__(self, inst: Any, value: Any) -> None:
+        inst.__dict__["_handle"] = value
+
+    def __delete__(self, inst: Any) -> None:
+        del inst.__dict__["_handle"]
+
+
+def canonical_handle(var: Any) -> Any:
+    """The variable's own handle, whatever version is current."""
+    return var.__dict__["_handle"]
