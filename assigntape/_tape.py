@@ -196,7 +196,9 @@ class AssignAwareTape(tf.GradientTape):
     def _zeros_for(self, raw: Any, mapped: Any) -> Any:
         # TensorFlow cannot build zeros for a raw resource handle (it has no
         # float shape or dtype); build them from the variable's own.
-        var = _as_tf_variable(raw) or self._owners.get(id(mapped))
+        var = _as_tf_variable(raw)
+        if var is None:
+            var = self._owners.get(id(mapped))
         if var is not None:
             return array_ops.zeros(var.shape, dtype=var.dtype)
         return array_ops.zeros_like(mapped)
