@@ -1,0 +1,178 @@
+"""Nested tapes, persistence, second order, jacobians across writes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from assigntape import AssignAwareTape
+from oracle import assert_grads_close, modes, run
+
+
+def _rewrite_sum(a0, b0):
+    with tf.GradientTape() as oracle:
+        oracle.watch([a0, b0])
+        c = a0 * b0 + b0
+        loss = tf.reduce_sum(c * c)
+    return oracle.gradient(loss, [a0, b0])
+
+
+A0, B0 = np.array([1.0, 2.0], np.float32), np.array([3.0, -1.0], np.float32)
+
+
+@modes
+@pytest.mark.parametrize(
+    "outer_cls,inner_cls",
+    [
+        (tf.GradientTape, AssignAwareTape),
+        (AssignAwareTape, tf.GradientTape),
+        (AssignAwareTape, AssignAwareTape),
+    ],
+    ids=["plain-outside", "plain-inside", "aware-in-aware"],
+)
+def test_nested_tapes_both_see_the_write(mode, outer_cls, inner_cls):
+    a, b, c = tf.Variable(A0), tf.Variable(B0), tf.Variable([0.0, 0.0])
+
+    def body():
+        with outer_cls(persistent=True) as outer:
+            with inner_cls(persistent=True) as inner:
+                c.assign(a * b + b)
+                loss = tf.reduce_sum(c * c)
+        return outer.gradient(loss, [a, b]), inner.gradient(loss, [a, b])
+
+    outer_g, inner_g = run(mode, body)
+    expected = _rewrite_sum(tf.constant(A0), tf.constant(B0))
+    assert_grads_close(outer_g, expected)
+    assert_grads_close(inner_g, expected)
+
+
+def test_inner_tape_started_after_a_write_of_the_outer():
+    v, a = tf.Variable(2.0), tf.Variable(3.0)
+    with AssignAwareTape() as outer:
+        v.assign(v * a)  # v1 = v0 a
+        with AssignAwareTape(persistent=True) as inner:
+            v.assign(v * v)  # v2 = v1^2
+            loss = v * 1.0
+        v.assign(v + 1.0)  # after the inner tape: not its business
+    # For the inner tape, "v" means v1, its value at the inner tape's start.
+    assert float(inner.gradient(loss, v)) == 2 * 6.0
+    assert inner.gradient(loss, a) is None  # a was read before the inner tape began
+    dv, da = outer.gradient(loss, [v, a])  # loss = (v0 a)^2
+    assert float(dv) == 2 * 2.0 * 3.0**2 and float(da) == 2 * 3.0 * 2.0**2
+    assert len(inner.versions(v)) == 2
+
+
+@modes
+def test_persistent_tape_many_gradients(mode):
+    v, a = tf.Variable([1.0, 2.0]), tf.Variable(2.0)
+
+    def body():
+        with AssignAwareTape(persistent=True) as tape:
+            v.assign_sub(v * a)  # v1 = v0 (1 - a)
+            l1 = tf.reduce_sum(v)
+            v.assign(v * a)  # v2 = v1 a
+            l2 = tf.reduce_sum(v * v)
+        return [tape.gradient(l1, [v, a]), tape.gradient(l2, [v, a]), tape.gradient(l2, [v, a])]
+
+    g1, g2, g2_again = run(mode, body)
+    np.testing.assert_allclose(g1[0], [-1.0, -1.0])
+    np.testing.assert_allclose(g1[1], -3.0)
+    # l2 = sum(v0^2 (1-a)^2 a^2): d/dv0 = 2 v0 (1-a)^2 a^2, d/da = sum v0^2 * d[(a - a^2)^2]
+    np.testing.assert_allclose(g2[0], 2 * np.array([1.0, 2.0]) * 4.0)
+    np.testing.assert_allclose(g2[1], 5.0 * 2 * (2.0 - 4.0) * (1 - 2 * 2.0))
+    assert_grads_close(g2_again, g2)
+
+
+def _maml_functional(w0, b0, lr, x, y):
+    with tf.GradientTape() as outer:
+        outer.watch([w0, b0, lr])
+        with tf.GradientTape() as inner:
+            inner.watch([w0, b0])
+            inner_loss = tf.reduce_mean((tf.tanh(x @ w0 + b0) - y) ** 2)
+        gw, gb = inner.gradient(inner_loss, [w0, b0])
+        w1, b1 = w0 - lr * gw, b0 - lr * gb
+        outer_loss = tf.reduce_mean((tf.tanh(x @ w1 + b1) - 2.0 * y) ** 2)
+    return outer.gradient(outer_loss, [w0, b0, lr])
+
+
+@modes
+@pytest.mark.parametrize("inner_cls", [tf.GradientTape, AssignAwareTape])
+def test_maml_second_order(mode, inner_cls):
+    x = tf.random.stateless_normal([8, 3], seed=[0, 1])
+    y = tf.random.stateless_normal([8, 2], seed=[0, 2])
+    w0 = tf.random.stateless_normal([3, 2], seed=[0, 3])
+    b0 = tf.random.stateless_normal([2], seed=[0, 4])
+    w, b, lr = tf.Variable(w0), tf.Variable(b0), tf.Variable(0.3)
+
+    def body():
+        with AssignAwareTape() as outer:
+            with inner_cls() as inner:
+                inner_loss = tf.reduce_mean((tf.tanh(x @ w + b) - y) ** 2)
+            gw, gb = inner.gradient(inner_loss, [w, b])
+            w.assign_sub(lr * gw)
+            b.assign_sub(lr * gb)
+            outer_loss = tf.reduce_mean((tf.tanh(x @ w + b) - 2.0 * y) ** 2)
+        return outer.gradient(outer_loss, [w, b, lr])
+
+    got = run(mode, body)
+    w.assign(w0), b.assign(b0)
+    assert_grads_close(got, _maml_functional(w0, b0, tf.constant(0.3), x, y), rtol=1e-5)
+
+
+@modes
+@pytest.mark.parametrize("use_pfor", [True, False])
+def test_jacobian_across_writes(mode, use_pfor):
+    m = tf.constant([[1.0, 2.0], [0.5, -1.0], [3.0, 0.25]])
+    x, v = tf.Variable([0.3, -0.7]), tf.Variable(tf.zeros([3]))
+
+    def body():
+        with AssignAwareTape(persistent=True) as tape:
+            v.assign(tf.linalg.matvec(m, x))
+            v.assign_add(x[0] * v)
+            y = tf.tanh(v)
+        return tape.jacobian(y, [x, v], experimental_use_pfor=use_pfor)
+
+    x0 = tf.constant([0.3, -0.7])
+    with tf.GradientTape() as oracle:
+        oracle.watch(x0)
+        v1 = tf.linalg.matvec(m, x0)
+        y = tf.tanh(v1 + x0[0] * v1)
+    jx, jv = run(mode, body)
+    assert_grads_close(jx, oracle.jacobian(y, x0), rtol=1e-5)
+    assert jv is None  # v is overwritten before it is read
+
+
+@modes
+def test_jacobian_zero_unconnected_for_an_overwritten_variable(mode):
+    x, v = tf.Variable([0.3, -0.7]), tf.Variable(tf.zeros([3]))
+
+    def body():
+        with AssignAwareTape() as tape:
+            v.assign(tf.stack([x[0], x[1], x[0] * x[1]]))
+            y = v * 2.0
+        return tape.jacobian(y, v, unconnected_gradients="zero")
+
+    jv = run(mode, body)
+    np.testing.assert_array_equal(jv, np.zeros([3, 3], np.float32))
+
+
+@modes
+def test_batch_jacobian_across_writes(mode):
+    w = tf.constant([[1.0, -2.0, 0.5], [0.25, 1.0, 2.0]])
+    xs = tf.Variable(tf.random.stateless_normal([4, 2], seed=[5, 6]))
+    h = tf.Variable(tf.zeros([4, 3]))
+
+    def body():
+        with AssignAwareTape() as tape:
+            h.assign(xs @ w)
+            h.assign(tf.sin(h) * h)
+            y = h * 1.0
+        return tape.batch_jacobian(y, xs)
+
+    x0 = tf.constant(xs.numpy())
+    with tf.GradientTape() as oracle:
+        oracle.watch(x0)
+        h1 = x0 @ w
+        y = tf.sin(h1) * h1
+    assert_grads_close(run(mode, body), oracle.batch_jacobian(y, x0), rtol=1e-5)
