@@ -84,13 +84,15 @@ def _write_wrapper(method: str) -> Callable[..., Any]:
             return wrapped(*args, **kwargs)
         args, kwargs, value = _bind_value(method, args, kwargs, instance)
         old = instance.handle
-        if rule.reads_old:
-            # A variable that was never read is not watched yet; the partial
-            # write reads it, so it must be, or its gradient is lost.
-            resource_variable_ops.variable_accessed(instance)
         # The real write. If it raises (bad shape or dtype), nothing below runs:
         # the tape and the variable stay as they were.
         result = wrapped(*args, **kwargs)
+        if rule.reads_old:
+            # A partial write reads the old value, but a variable that was never
+            # read is not watched yet, and an unwatched input is not recorded:
+            # its gradient would be lost. (Watching after the write is enough:
+            # what counts is that the old handle is watched when recording.)
+            resource_variable_ops.variable_accessed(instance)
         new = _new_version(old, result)
         inputs = [old, value] if rule.reads_old else [value]
         record.record_operation(rule.op_type, [new], inputs, rule.backward)

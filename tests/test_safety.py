@@ -1,0 +1,198 @@
+"""Patches only while a tape is open, thread isolation, failed writes, no leaks."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import resource_variable_ops as rvo
+
+from assigntape import AssignAwareTape
+from assigntape import _versions
+
+PATCHED = [
+    (rvo.BaseResourceVariable, "_handle"),
+    (rvo.BaseResourceVariable, "assign"),
+    (rvo.BaseResourceVariable, "assign_add"),
+    (rvo.BaseResourceVariable, "assign_sub"),
+    (rvo.ResourceVariable, "assign"),
+    (rvo.ResourceVariable, "assign_add"),
+    (rvo.ResourceVariable, "assign_sub"),
+]
+
+
+def _snapshot():
+    return {(cls, name): cls.__dict__.get(name, "<absent>") for cls, name in PATCHED}
+
+
+def test_patches_exist_only_while_a_tape_is_open():
+    before = _snapshot()
+    assert before[(rvo.BaseResourceVariable, "_handle")] == "<absent>"
+    with AssignAwareTape():
+        during = _snapshot()
+        with AssignAwareTape():
+            assert _snapshot() == during  # nesting does not patch twice
+        assert _snapshot() == during  # the inner exit does not unpatch
+    after = _snapshot()
+    for key in before:
+        assert during[key] is not before[key], key
+        assert after[key] is before[key], key  # the exact original objects
+
+
+def test_patches_are_restored_when_the_body_raises():
+    before = _snapshot()
+    v = tf.Variable(1.0)
+    with pytest.raises(ZeroDivisionError):
+        with AssignAwareTape():
+            v.assign(2.0)
+            1 / 0
+    after = _snapshot()
+    assert all(after[k] is before[k] for k in before)
+    # The variable keeps its value and its own handle.
+    assert float(v) == 2.0 and v.handle is v.__dict__["_handle"]
+    assert not getattr(_versions._tls, "scopes", None)
+
+
+def test_variable_uses_its_own_handle_after_the_tape():
+    v, a = tf.Variable(1.0), tf.Variable(2.0)
+    with AssignAwareTape():
+        v.assign(a * 3.0)
+        assert v.handle is not v.__dict__["_handle"]
+    assert v.handle is v.__dict__["_handle"]
+    with tf.GradientTape() as plain:
+        y = v * v
+    assert float(plain.gradient(y, v)) == 12.0
+
+
+def test_a_thread_without_a_tape_sees_plain_tensorflow():
+    a, b, c = tf.Variable(1.0), tf.Variable(2.0), tf.Variable(3.0)
+    shared = tf.Variable(5.0)
+    opened, checked = threading.Event(), threading.Event()
+    results = {}
+
+    def with_tape():
+        with AssignAwareTape() as tape:
+            shared.assign(a * 4.0)
+            opened.set()
+            checked.wait(30)
+            loss = shared * b
+        results["aware"] = tape.gradient(loss, [a, b])
+
+    def without_tape():
+        opened.wait(30)
+        try:
+            # The other thread's version of `shared` is invisible here.
+            results["handle_is_own"] = shared.handle is shared.__dict__["_handle"]
+            with tf.GradientTape() as plain:
+                c.assign(a + b)
+                loss = c**2
+                y = shared * 3.0
+            results["plain"] = plain.gradient([loss, y], [b, shared])
+        finally:
+            checked.set()
+
+    threads = [threading.Thread(target=with_tape), threading.Thread(target=without_tape)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results["handle_is_own"]
+    db, dshared = results["plain"]
+    assert db is None  # plain TensorFlow: no gradient across the write
+    assert float(dshared) == 3.0
+    da, db = results["aware"]
+    # `shared` = 4a, but the other thread wrote nothing tracked: values are the
+    # resource's, gradients this thread's own.
+    assert float(da) == 4.0 * 2.0 and float(db) == float(shared)
+
+
+def test_two_threads_with_their_own_tapes():
+    errors = []
+
+    def worker(k):
+        try:
+            for _ in range(20):
+                v, x = tf.Variable(1.0), tf.Variable(float(k))
+                with AssignAwareTape() as tape:
+                    v.assign(x * x)
+                    loss = v * 1.0
+                g = tape.gradient(loss, x)
+                assert float(g) == 2.0 * k, (k, float(g))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+
+
+@pytest.mark.parametrize(
+    "write,error",
+    [
+        (lambda v: v.assign([1.0, 2.0, 3.0]), ValueError),  # shape
+        (lambda v: v.assign(tf.constant([1, 2], tf.int32)), (TypeError, ValueError)),  # dtype
+        (lambda v: v.assign_add(tf.ones([3])), tf.errors.InvalidArgumentError),
+        (lambda v: v.assign_sub("nope"), (TypeError, ValueError)),
+    ],
+    ids=["assign-shape", "assign-dtype", "assign_add-shape", "assign_sub-type"],
+)
+def test_failed_write_raises_tensorflows_error_and_changes_nothing(write, error):
+    v, a = tf.Variable([1.0, 2.0]), tf.Variable(3.0)
+    plain_error = None
+    try:
+        write(tf.Variable([1.0, 2.0]))
+    except Exception as e:  # noqa: BLE001
+        plain_error = type(e)
+    assert plain_error is not None and issubclass(plain_error, error)
+
+    with AssignAwareTape(persistent=True) as tape:
+        v.assign(v * a)
+        versions = tape.versions(v)
+        watched = tape.watched_variables()
+        with pytest.raises(plain_error):
+            write(v)
+        assert tape.versions(v) == versions
+        assert tape.watched_variables() == watched
+        np.testing.assert_array_equal(v.numpy(), [3.0, 6.0])
+        loss = tf.reduce_sum(v)
+    dv, da = tape.gradient(loss, [v, a])
+    np.testing.assert_array_equal(dv, [3.0, 3.0])
+    assert float(da) == 3.0
+
+
+def _live_eager_tensors():
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, ops.EagerTensor))
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_ten_thousand_tapes_leave_nothing_behind():
+    v, a = tf.Variable([1.0, 2.0]), tf.Variable(0.5)
+
+    def one_tape():
+        with AssignAwareTape() as tape:
+            v.assign_add(v * a)
+            loss = tf.reduce_sum(v)
+        tape.gradient(loss, [v, a])
+
+    for _ in range(1000):  # warm up caches and allocator pools
+        one_tape()
+    tensors, rss = _live_eager_tensors(), _rss_bytes()
+    for _ in range(10_000):
+        one_tape()
+    assert _live_eager_tensors() <= tensors
+    growth = _rss_bytes() - rss
+    assert growth < 32 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB"
+    assert not getattr(_versions._tls, "scopes", None)
+    assert "_handle" not in rvo.BaseResourceVariable.__dict__
