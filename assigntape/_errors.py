@@ -13,6 +13,10 @@ __all__ = ["AssignTapeError", "ControlFlowWriteError", "NotAVariableError"]
 class AssignTapeError(Exception):
     """Base class for every error raised by assigntape itself."""
 
+    # AutoGraph re-raises an error from traced code as its own type only when
+    # that type's __init__ is Exception's; otherwise the user gets a StagingError.
+    __init__ = Exception.__init__
+
 
 class NotAVariableError(AssignTapeError, TypeError):
     """An API that takes a variable was given something else."""

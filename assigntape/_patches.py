@@ -26,7 +26,7 @@ __all__ = ["acquire", "release", "installed"]
 _ABSENT = object()
 _lock = threading.Lock()
 _users = 0
-_saved: List[Tuple[type, str, Any]] = []
+_saved: List[Tuple[Any, str, Any]] = []
 
 # ``tensorflow/python/ops/weak_tensor_ops.py`` replaces ``ResourceVariable.assign``
 # (and assign_add, assign_sub) with wrappers of the functions defined on
@@ -79,7 +79,7 @@ def _write_wrapper(method: str) -> Callable[..., Any]:
     rule = _rules.RULES[method]
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-        scope = _versions.scope_for_write() if instance is not None else None
+        scope = _versions.scope_for_write(instance, method) if instance is not None else None
         if scope is None or not _differentiable(instance):
             return wrapped(*args, **kwargs)
         args, kwargs, value = _bind_value(method, args, kwargs, instance)
@@ -116,17 +116,27 @@ def _install() -> None:
     for cls in _PATCHED_CLASSES:
         for method in _rules.RULES:
             if method in cls.__dict__:
-                _saved.append((cls, method, cls.__dict__[method]))
+                original = cls.__dict__[method]
+                _saved.append((cls, method, original))
                 wrapt.wrap_function_wrapper(cls, method, _write_wrapper(method))
+                # AutoGraph warns about every wrapt-wrapped callee it meets while
+                # converting a tf.function, unless the callee looks like one of its
+                # own artifacts; the bound wrapper forwards attribute lookups to
+                # the original function, so mark that (and unmark it on exit).
+                # Unpatched, AutoGraph calls these TensorFlow methods unconverted
+                # too, so nothing else changes.
+                if not hasattr(original, "autograph_info__"):
+                    _saved.append((original, "autograph_info__", _ABSENT))
+                    original.autograph_info__ = {}
 
 
 def _uninstall() -> None:
     while _saved:
-        cls, name, original = _saved.pop()
+        owner, name, original = _saved.pop()
         if original is _ABSENT:
-            delattr(cls, name)
+            delattr(owner, name)
         else:
-            setattr(cls, name, original)
+            setattr(owner, name, original)
 
 
 def acquire() -> None:

@@ -93,7 +93,7 @@ def _enclosing_scope(scopes: Dict[Any, Scope]) -> Optional[Scope]:
     return None
 
 
-def scope_for_write() -> Optional[Scope]:
+def scope_for_write(var: Any, method: str) -> Optional[Scope]:
     """The scope a write in the current context belongs to, or ``None``.
 
     Returns ``None`` when no tape is open here (the write is plain TensorFlow),
@@ -108,10 +108,11 @@ def scope_for_write() -> Optional[Scope]:
         from assigntape._errors import ControlFlowWriteError
 
         raise ControlFlowWriteError(
-            "a variable tracked by an AssignAwareTape was written inside a graph "
-            "control-flow body (tf.cond / tf.while_loop / autograph loop over a "
-            "tensor). The new version cannot leave that body. Unroll the loop in "
-            "Python (for _ in range(n)) or open the tape inside the body."
+            f"{method}() to variable {var.name!r} inside a graph control-flow body "
+            "(tf.cond, tf.while_loop, or an autograph loop over a tensor) while an "
+            "AssignAwareTape is open around it: the new version cannot leave that "
+            "body. Unroll the loop in Python (for _ in range(n)), choose the branch "
+            "in Python, or open the tape inside the body."
         )
     return scope
 

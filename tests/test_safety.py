@@ -41,6 +41,8 @@ def test_patches_exist_only_while_a_tape_is_open():
     for key in before:
         assert during[key] is not before[key], key
         assert after[key] is before[key], key  # the exact original objects
+        # ...and unmarked: the AutoGraph marker is taken off again.
+        assert not hasattr(after[key], "autograph_info__"), key
 
 
 def test_patches_are_restored_when_the_body_raises():

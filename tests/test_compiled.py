@@ -1,0 +1,135 @@
+"""A tape opened inside tf.function: control flow, unrolled loops, retracing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from assigntape import AssignAwareTape, AssignTapeError, ControlFlowWriteError
+from oracle import assert_grads_close, modes, run
+
+
+@modes
+def test_unrolled_inner_loop_of_five_sgd_steps(mode):
+    x = tf.linspace(-1.0, 1.0, 6)[:, None]
+    y = 3.0 * x + 0.5
+    w, b, lr = tf.Variable([[0.1]]), tf.Variable([0.0]), tf.Variable(0.2)
+
+    def body():
+        with AssignAwareTape() as outer:
+            for _ in range(5):
+                with tf.GradientTape() as inner:
+                    loss = tf.reduce_mean((x @ w + b - y) ** 2)
+                gw, gb = inner.gradient(loss, [w, b])
+                w.assign_sub(lr * gw)
+                b.assign_sub(lr * gb)
+            final = tf.reduce_mean((x @ w + b - y) ** 2)
+        return outer.gradient(final, [lr, w, b])
+
+    got = run(mode, body)
+    w.assign([[0.1]]), b.assign([0.0])
+    w0, b0, lr0 = tf.constant([[0.1]]), tf.constant([0.0]), tf.constant(0.2)
+    with tf.GradientTape() as oracle:
+        oracle.watch([lr0, w0, b0])
+        wk, bk = w0, b0
+        for _ in range(5):
+            with tf.GradientTape() as inner:
+                inner.watch([wk, bk])
+                loss = tf.reduce_mean((x @ wk + bk - y) ** 2)
+            gw, gb = inner.gradient(loss, [wk, bk])
+            wk, bk = wk - lr0 * gw, bk - lr0 * gb
+        final = tf.reduce_mean((x @ wk + bk - y) ** 2)
+    assert_grads_close(got, oracle.gradient(final, [lr0, w0, b0]), rtol=1e-5)
+
+
+def test_repeated_calls_and_retracing_give_the_same_results():
+    v, a = tf.Variable([1.0, 2.0]), tf.Variable(0.5)
+
+    @tf.function
+    def step(scale):
+        with AssignAwareTape() as tape:
+            v.assign(a * scale * tf.ones([2]))
+            v.assign_add(v * v)
+            loss = tf.reduce_sum(v)
+        return tape.gradient(loss, a)
+
+    def expected(scale):
+        return 2.0 * (scale + 2 * 0.5 * scale * scale)  # d/da sum(a s + a^2 s^2)
+
+    for scale in [1.0, 2.0, 1.0]:  # a Python float: each new value retraces
+        np.testing.assert_allclose(float(step(scale)), expected(scale), rtol=1e-6)
+    for scale in [1.0, 3.0]:  # a tensor: one trace, called twice
+        np.testing.assert_allclose(float(step(tf.constant(scale))), expected(scale), rtol=1e-6)
+    # No handle from any trace is left in the variable.
+    assert v.handle is v.__dict__["_handle"]
+    assert not tf.is_symbolic_tensor(v.handle)
+
+
+def test_read_inside_a_cond_branch_sees_the_current_version():
+    v, a = tf.Variable(1.0), tf.Variable(2.0)
+
+    @tf.function
+    def f(flag):
+        with AssignAwareTape() as tape:
+            v.assign(a * 2.0)
+            y = tf.cond(flag, lambda: v * 3.0, lambda: tf.square(v))
+        return tape.gradient(y, a)
+
+    assert float(f(tf.constant(True))) == 6.0
+    assert float(f(tf.constant(False))) == 2 * 4.0 * 2.0
+
+
+def test_python_branch_on_a_python_value_is_fine():
+    v, a = tf.Variable(1.0), tf.Variable(2.0)
+
+    @tf.function
+    def f(double):
+        with AssignAwareTape() as tape:
+            if double:
+                v.assign(a * 2.0)
+            else:
+                v.assign(a * 3.0)
+            y = v * 1.0
+        return tape.gradient(y, a)
+
+    assert float(f(True)) == 2.0 and float(f(False)) == 3.0
+
+
+@pytest.mark.parametrize("where", ["while_loop", "autograph_for", "cond"])
+def test_write_in_a_graph_control_flow_body_is_refused(where):
+    v, a = tf.Variable(1.0, name="inner_w"), tf.Variable(2.0)
+
+    @tf.function
+    def f(n):
+        with AssignAwareTape() as tape:
+            if where == "while_loop":
+                tf.while_loop(lambda i: i < n, lambda i: (v.assign(v * a), i + 1)[1], [0])
+            elif where == "autograph_for":
+                for _ in tf.range(n):
+                    v.assign(v * a)
+            else:
+                tf.cond(n > 1, lambda: v.assign(a * 2.0), lambda: v.assign(a * 3.0))
+            y = v * 1.0
+        return tape.gradient(y, a)
+
+    with pytest.raises(ControlFlowWriteError) as info:
+        f(tf.constant(3))
+    message = str(info.value)
+    assert "inner_w" in message and "assign()" in message and "Unroll the loop in Python" in message
+    assert isinstance(info.value, (AssignTapeError, NotImplementedError))
+    assert v.handle is v.__dict__["_handle"]  # nothing left behind
+
+
+def test_graph_loop_without_a_tape_is_plain_tensorflow():
+    v = tf.Variable(1.0)
+
+    @tf.function
+    def f():
+        for _ in tf.range(3):
+            v.assign(v * 2.0)
+        return v.read_value()
+
+    with AssignAwareTape():  # open in eager mode, around the call
+        pass
+    assert float(f()) == 8.0
