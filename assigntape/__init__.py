@@ -3,7 +3,13 @@
 See ``AssignAwareTape``.
 """
 
-from assigntape._errors import AssignTapeError, ControlFlowWriteError, NotAVariableError
+from assigntape._errors import (
+    AssignTapeError,
+    ControlFlowWriteError,
+    DuplicateIndicesError,
+    NotAVariableError,
+    UntrackedWriteError,
+)
 from assigntape._tape import AssignAwareTape
 
 __version__ = "0.1.0"
@@ -12,5 +18,7 @@ __all__ = [
     "AssignAwareTape",
     "AssignTapeError",
     "ControlFlowWriteError",
+    "DuplicateIndicesError",
     "NotAVariableError",
+    "UntrackedWriteError",
 ]

@@ -7,7 +7,13 @@ Each one narrows a built-in error, so code that already catches ``TypeError`` or
 
 from __future__ import annotations
 
-__all__ = ["AssignTapeError", "ControlFlowWriteError", "NotAVariableError"]
+__all__ = [
+    "AssignTapeError",
+    "ControlFlowWriteError",
+    "DuplicateIndicesError",
+    "NotAVariableError",
+    "UntrackedWriteError",
+]
 
 
 class AssignTapeError(Exception):
@@ -28,4 +34,23 @@ class ControlFlowWriteError(AssignTapeError, NotImplementedError):
     A version handle made inside a ``tf.cond`` branch or a ``tf.while_loop`` body
     cannot leave that body unless it is loop state, so the tape cannot carry the
     new version to later reads.
+    """
+
+
+class DuplicateIndicesError(AssignTapeError, ValueError):
+    """A scatter write whose gradient would depend on how duplicates combine.
+
+    ``scatter_update`` with duplicate indices leaves the written value undefined;
+    ``scatter_mul`` / ``div`` / ``min`` / ``max`` combine duplicates in ways the tape
+    does not differentiate. ``scatter_add`` / ``scatter_sub`` sum them and are fine.
+    """
+
+
+class UntrackedWriteError(AssignTapeError, RuntimeError):
+    """A tracked variable was written by an op the tape cannot differentiate.
+
+    After such a write, reads would credit the version before it and the gradient
+    would be silently wrong, so the tape refuses. Pass
+    ``AssignAwareTape(untracked_writes="cut")`` to treat the write as a new
+    version with no gradient path instead (with a warning).
     """

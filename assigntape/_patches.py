@@ -1,25 +1,45 @@
 """The patches: installed while at least one AssignAwareTape is open anywhere.
 
-Two things are patched, and both are restored to the exact original objects
+Two things are patched, and both are put back, as the exact original objects,
 when the last tape in the process closes:
 
 * ``BaseResourceVariable._handle`` gets a data descriptor that answers with the
   current version (see ``_versions``).
-* The write methods named in ``_rules.RULES`` get a wrapper that performs the
-  real write, then makes the new version and records it on the tape.
+* The Python wrappers of the ops that write variables (``gen_*_ops.<op>``, and
+  the same functions as ``tf.raw_ops.<Op>``) get a wrapper. For an op with a
+  gradient rule in ``_rules.RULES`` it performs the real write, then makes the
+  new version and records it on the tape. For the fused optimizer kernels, which
+  have no rule, it refuses the write (or cuts the gradient, by option).
+
+Why the op wrappers and not ``Variable.assign`` and friends: every path to a
+write ends in one of these functions (``v.assign``, ``v[1:3].assign``,
+``v.scatter_*``, ``tf.compat.v1.assign`` / ``scatter_*``, ``state_ops``, raw ops,
+checkpoint restore), and TensorFlow calls them through the module attribute, so
+one wrapper per op sees them all.
 """
 
 from __future__ import annotations
 
+import operator
 import threading
-from typing import Any, Callable, Dict, List, Tuple
+import warnings
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
+import tensorflow as tf
 import wrapt
 from tensorflow.python.eager import context, record
 from tensorflow.python.framework import ops
-from tensorflow.python.ops import array_ops, resource_variable_ops
+from tensorflow.python.ops import (
+    array_ops,
+    gen_array_ops,
+    gen_resource_variable_ops,
+    gen_state_ops,
+    gen_training_ops,
+    resource_variable_ops,
+)
 
 from assigntape import _rules, _versions
+from assigntape._errors import UntrackedWriteError
 
 __all__ = ["acquire", "release", "installed"]
 
@@ -28,18 +48,7 @@ _lock = threading.Lock()
 _users = 0
 _saved: List[Tuple[Any, str, Any]] = []
 
-# ``tensorflow/python/ops/weak_tensor_ops.py`` replaces ``ResourceVariable.assign``
-# (and assign_add, assign_sub) with wrappers of the functions defined on
-# ``BaseResourceVariable``, so ``ResourceVariable`` instances find those wrappers
-# first and ``_UnreadVariable``/``UninitializedVariable`` find the base ones. Each
-# class that defines a write method in its own ``__dict__`` is patched there, so
-# every lookup through the MRO meets exactly one wrapper. (The weak-tensor wrapper
-# calls the base *function* it captured, not the attribute, so nothing is
-# wrapped twice.)
-_PATCHED_CLASSES = (
-    resource_variable_ops.ResourceVariable,
-    resource_variable_ops.BaseResourceVariable,
-)
+_GEN_MODULES = (gen_resource_variable_ops, gen_state_ops, gen_array_ops, gen_training_ops)
 
 
 def _differentiable(var: Any) -> bool:
@@ -48,14 +57,19 @@ def _differentiable(var: Any) -> bool:
     return var.dtype.is_floating or var.dtype.is_complex
 
 
-def _bind_value(method: str, args: Tuple[Any, ...], kwargs: Dict[str, Any], var: Any):
-    """Converts the written value once, so the tape sees the tensor the write uses."""
-    name = "value" if method == "assign" else "delta"
-    if args:
-        value = ops.convert_to_tensor(args[0], dtype=var.dtype)
-        return (value,) + tuple(args[1:]), kwargs, value
-    value = ops.convert_to_tensor(kwargs[name], dtype=var.dtype)
-    return args, dict(kwargs, **{name: value}), value
+def _snake(op_name: str, module: Any) -> str:
+    """The op wrapper's Python name: ``AssignVariableOp`` -> ``assign_variable_op``."""
+    key = op_name.lower()
+    for name in vars(module):
+        if name.replace("_", "") == key and not name.endswith("_eager_fallback"):
+            return name
+    raise LookupError(op_name)
+
+
+def _bind(params: Sequence[str], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    arguments = dict(zip(params, args))
+    arguments.update(kwargs)
+    return arguments
 
 
 def _new_version(old: Any, write_result: Any) -> Any:
@@ -66,71 +80,168 @@ def _new_version(old: Any, write_result: Any) -> Any:
     nothing watched), leaking gradient to what produced the old value.
     """
     with record.stop_recording():
-        if context.executing_eagerly():
+        if context.executing_eagerly() or write_result is None:
             return array_ops.identity(old)
         # In a graph, reads through the new handle must run after the write.
-        op = getattr(write_result, "_parent_op", write_result)
-        deps = [op] if op is not None else []
-        with ops.control_dependencies(deps):
+        with ops.control_dependencies([write_result]):
             return array_ops.identity(old)
 
 
-def _write_wrapper(method: str) -> Callable[..., Any]:
-    rule = _rules.RULES[method]
-
+def _tracked_write(op_name: str, rule: _rules.OpRule, params: Sequence[str]) -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-        scope = _versions.scope_for_write(instance, method) if instance is not None else None
-        if scope is None or not _differentiable(instance):
+        arguments = _bind(params, args, kwargs)
+        found = _versions.owner(arguments.get(rule.resource_arg))
+        if found is None or not _differentiable(found[1]):
             return wrapped(*args, **kwargs)
-        args, kwargs, value = _bind_value(method, args, kwargs, instance)
-        old = instance.handle
-        # The real write. If it raises (bad shape or dtype), nothing below runs:
-        # the tape and the variable stay as they were.
-        result = wrapped(*args, **kwargs)
-        if rule.reads_old:
+        scope, var = found
+        _versions.check_writable_here(scope, var, op_name)
+        for name in rule.value_args:
+            arguments[name] = ops.convert_to_tensor(arguments[name], dtype=var.dtype)
+        old = scope.current_version(var)
+        write = rule.prepare(var, old, arguments)
+        # The real write. If it raises (bad shape or dtype, duplicate indices),
+        # nothing below runs: the tape and the variable stay as they were.
+        if write.checks:
+            with ops.control_dependencies(write.checks):
+                result = wrapped(**arguments)
+        else:
+            result = wrapped(**arguments)
+        new = _new_version(old, result)
+        if write.reads_old:
             # A partial write reads the old value, but a variable that was never
             # read is not watched yet, and an unwatched input is not recorded:
             # its gradient would be lost. (Watching after the write is enough:
             # what counts is that the old handle is watched when recording.)
-            resource_variable_ops.variable_accessed(instance)
-        new = _new_version(old, result)
-        inputs = [old, value] if rule.reads_old else [value]
-        record.record_operation(rule.op_type, [new], inputs, rule.backward)
-        scope.current[instance._unique_id] = new
-        for tape in scope.tapes:
-            tape._note_write(instance, old, new, method)
+            resource_variable_ops.variable_accessed(var)
+        record.record_operation(op_name, [new], write.inputs, write.backward)
+        scope.advance(var, old, new, op_name)
         return result
 
     return wrapper
 
 
-def _install() -> None:
-    _saved.append(
-        (
-            resource_variable_ops.BaseResourceVariable,
-            "_handle",
-            resource_variable_ops.BaseResourceVariable.__dict__.get("_handle", _ABSENT),
+def _untracked_write(op_name: str, params: Sequence[str]) -> Callable[..., Any]:
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+        arguments = _bind(params, args, kwargs)
+        hits = [h for h in map(_versions.owner, arguments.values()) if h is not None]
+        hits = [(scope, var) for scope, var in hits if _differentiable(var)]
+        if not hits:
+            return wrapped(*args, **kwargs)
+        scope, var = hits[0]
+        if scope.refuses_untracked():
+            raise UntrackedWriteError(
+                f"{op_name} wrote variable {var.name!r}, which an AssignAwareTape is "
+                "tracking, and the tape cannot differentiate that op: reads after it "
+                "would credit the previous version, a silently wrong gradient. Write "
+                "with tracked ops instead (v.assign / assign_add / assign_sub, scatter "
+                "and slice writes, or a Keras 3 optimizer, whose steps are made of "
+                "them), or pass AssignAwareTape(untracked_writes='cut') to treat this "
+                "write as a new version with no gradient path."
+            )
+        warnings.warn(
+            f"AssignAwareTape: {op_name} wrote {var.name!r}; no gradient flows "
+            "through that write (untracked_writes='cut').",
+            stacklevel=3,
         )
-    )
-    setattr(resource_variable_ops.BaseResourceVariable, "_handle", _versions.HandleDescriptor())
-    for cls in _PATCHED_CLASSES:
-        for method in _rules.RULES:
-            if method in cls.__dict__:
-                original = cls.__dict__[method]
-                _saved.append((cls, method, original))
-                wrapt.wrap_function_wrapper(cls, method, _write_wrapper(method))
-                # AutoGraph warns about every wrapt-wrapped callee it meets while
-                # converting a tf.function, unless the callee looks like one of its
-                # own artifacts; the bound wrapper forwards attribute lookups to
-                # the original function, so mark that (and unmark it on exit).
-                # Unpatched, AutoGraph calls these TensorFlow methods unconverted
-                # too, so nothing else changes.
-                if not hasattr(original, "autograph_info__"):
+        result = wrapped(*args, **kwargs)
+        for scope, var in hits:
+            old = scope.current_version(var)
+            scope.advance(var, old, _new_version(old, result), op_name, cut=True)
+        return result
+
+    return wrapper
+
+
+def _patch_targets() -> List[Tuple[List[Tuple[Any, str]], Any, Callable[..., Any]]]:
+    """Each op: where its wrapper is found, the original, and our wrapper."""
+    # tf.raw_ops only: tf.compat.v1.raw_ops is a TFModuleWrapper whose
+    # __setattr__ costs ~20 us, which every tape would pay twice per op.
+    raw_modules = [tf.raw_ops]
+    written = list(_rules.RULES)
+    written += [
+        name
+        for name in vars(gen_training_ops)
+        if name.startswith(_rules.UNDIFFERENTIABLE_PREFIXES) and name not in _rules.RULES
+    ]
+    targets = []
+    for op_name in written:
+        module = next(m for m in _GEN_MODULES if op_name in vars(m))
+        snake = _snake(op_name, module)
+        original = vars(module)[snake]
+        params = list(original.__code__.co_varnames[: original.__code__.co_argcount])
+        if op_name in _rules.RULES:
+            wrapper = _tracked_write(op_name, _rules.RULES[op_name], params)
+        else:
+            wrapper = _untracked_write(op_name, params)
+        # The snake-case wrapper and the raw op (`module.OpName`, which
+        # tf.raw_ops also holds) are separate functions with the same code.
+        places = [(module, snake)]
+        places += [(m, op_name) for m in [module, *raw_modules] if op_name in vars(m)]
+        targets.append((places, original, wrapper))
+    return targets
+
+
+# Built on first use and kept, grouped by the module that holds them, so that
+# installing is one dict update per module.
+class _Group:
+    __slots__ = ("owner", "names", "originals", "wrappers", "get")
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+        self.names: List[str] = []
+        self.originals: Dict[str, Any] = {}
+        self.wrappers: Dict[str, Any] = {}
+        self.get: Any = None
+
+    def add(self, name: str, wrapper: Callable[..., Any]) -> None:
+        original = vars(self.owner)[name]
+        self.names.append(name)
+        self.originals[name] = original
+        self.wrappers[name] = wrapt.FunctionWrapper(original, wrapper)
+        self.get = operator.itemgetter(*self.names)
+
+    def unchanged(self) -> bool:
+        current = self.get(vars(self.owner))
+        current = current if len(self.names) > 1 else (current,)
+        return all(map(operator.is_, current, self.originals.values()))
+
+
+_groups: List[_Group] = []
+
+
+def _build_wrappers() -> None:
+    by_owner: Dict[int, _Group] = {}
+    for places, _, wrapper in _patch_targets():
+        for owner, name in places:
+            by_owner.setdefault(id(owner), _Group(owner)).add(name, wrapper)
+    _groups[:] = by_owner.values()
+
+
+def _install() -> None:
+    if not _groups or not all(group.unchanged() for group in _groups):
+        # First use, or someone else re-bound an op since: wrap what is there now.
+        _build_wrappers()
+    base = resource_variable_ops.BaseResourceVariable
+    _saved.append((base, "_handle", base.__dict__.get("_handle", _ABSENT)))
+    setattr(base, "_handle", _versions.HandleDescriptor())
+    for group in _groups:
+        vars(group.owner).update(group.wrappers)
+        if group.owner is tf.raw_ops:
+            # AutoGraph warns about every wrapt-wrapped callee it meets while
+            # converting a tf.function (user code calling tf.raw_ops directly),
+            # unless the callee looks like one of its own artifacts; the wrapper
+            # forwards attribute lookups to the original, so mark that (and
+            # unmark it on exit). TensorFlow's own calls to the gen_*_ops
+            # functions are never converted, so those need no mark.
+            for original in group.originals.values():
+                if "autograph_info__" not in vars(original):
                     _saved.append((original, "autograph_info__", _ABSENT))
                     original.autograph_info__ = {}
 
 
 def _uninstall() -> None:
+    for group in _groups:
+        vars(group.owner).update(group.originals)
     while _saved:
         owner, name, original = _saved.pop()
         if original is _ABSENT:
@@ -159,3 +270,11 @@ def release() -> None:
 
 def installed() -> bool:
     return _users > 0
+
+
+def patched_places() -> List[Tuple[Any, str]]:
+    """Every attribute the patches replace (for tests and diagnostics)."""
+    if not _groups:
+        _build_wrappers()
+    base = resource_variable_ops.BaseResourceVariable
+    return [(base, "_handle")] + [(group.owner, name) for group in _groups for name in group.names]

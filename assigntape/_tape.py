@@ -28,9 +28,10 @@ def _as_tf_variable(x: Any) -> Optional[Any]:
 class AssignAwareTape(tf.GradientTape):
     """A ``tf.GradientTape`` that differentiates through variable writes.
 
-    While the tape is open, every ``assign``, ``assign_add`` and ``assign_sub``
-    to a floating-point ``tf.Variable`` (and so every Keras 3 variable write and
-    optimizer step) makes a new *version* of the variable. Later reads, by any
+    While the tape is open, every write to a floating-point ``tf.Variable``
+    (``assign``, ``assign_add``, ``assign_sub``, scatter and slice writes, and so
+    every Keras 3 variable write and optimizer step) makes a new *version* of the
+    variable. Later reads, by any
     path, see that version, and gradients flow through the write into whatever
     produced the written value. The result is the gradient of the program in which
     every write rebinds a fresh tensor.
@@ -44,6 +45,11 @@ class AssignAwareTape(tf.GradientTape):
       persistent: As for ``tf.GradientTape``: allow more than one ``gradient``.
       watch_accessed_variables: As for ``tf.GradientTape``: watch trainable
         variables when they are read.
+      untracked_writes: What to do when a variable the tape tracks is written
+        by an op it cannot differentiate (the fused ``ResourceApply*`` optimizer
+        kernels of legacy Keras 2): ``"raise"`` (the default) raises
+        ``UntrackedWriteError``; ``"cut"`` warns and makes the write a new
+        version with no gradient path.
 
     Example:
 
@@ -55,8 +61,18 @@ class AssignAwareTape(tf.GradientTape):
     6.0
     """
 
-    def __init__(self, persistent: bool = False, watch_accessed_variables: bool = True) -> None:
+    def __init__(
+        self,
+        persistent: bool = False,
+        watch_accessed_variables: bool = True,
+        untracked_writes: str = "raise",
+    ) -> None:
+        if untracked_writes not in ("raise", "cut"):
+            raise ValueError(
+                f"untracked_writes must be 'raise' or 'cut', got {untracked_writes!r}"
+            )
         super().__init__(persistent=persistent, watch_accessed_variables=watch_accessed_variables)
+        self._untracked_writes = untracked_writes
         self._scope: Optional[_versions.Scope] = None
         # Versions current when the tape was entered (written by an outer tape).
         self._start: Dict[str, Any] = {}
@@ -96,7 +112,7 @@ class AssignAwareTape(tf.GradientTape):
         self._owners.clear()
         self._start = dict(self._scope.current) if self._scope is not None else {}
 
-    def _note_write(self, var: Any, old: Any, new: Any, method: str) -> None:
+    def _note_write(self, var: Any, old: Any, new: Any, op_name: str, cut: bool) -> None:
         versions = self._versions.get(var._unique_id)
         if versions is None:
             self._versions[var._unique_id] = [old, new]

@@ -18,15 +18,23 @@ every read of every kind goes to the current version.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from tensorflow.python.eager import context
-from tensorflow.python.framework import ops
+from tensorflow.python.framework import ops, tensor as tensor_lib
 
 if TYPE_CHECKING:  # pragma: no cover
     from assigntape._tape import AssignAwareTape
 
-__all__ = ["Scope", "HandleDescriptor", "scope_for_write", "open_scope", "close_scope"]
+__all__ = [
+    "Scope",
+    "HandleDescriptor",
+    "owner",
+    "check_writable_here",
+    "open_scope",
+    "close_scope",
+    "canonical_handle",
+]
 
 _tls = threading.local()
 
@@ -34,7 +42,7 @@ _tls = threading.local()
 class Scope:
     """The versions of one thread in one graph (``None`` for eager execution)."""
 
-    __slots__ = ("key", "current", "tapes")
+    __slots__ = ("key", "current", "owners", "tapes")
 
     def __init__(self, key: Any) -> None:
         self.key = key
@@ -43,8 +51,26 @@ class Scope:
         # ``assign()`` returns (a separate object on the same resource) see the
         # same versions as the variable it came from.
         self.current: Dict[str, Any] = {}
+        # id(handle tensor) -> the variable it was served for. Write ops receive
+        # only a handle; this finds the variable. Every handle in here is kept
+        # alive by its variable or by ``current`` / a tape, so ids are not reused.
+        self.owners: Dict[int, Any] = {}
         # Open AssignAwareTapes in this scope, outermost first.
         self.tapes: List["AssignAwareTape"] = []
+
+    def current_version(self, var: Any) -> Any:
+        handle = self.current.get(var._unique_id)
+        return canonical_handle(var) if handle is None else handle
+
+    def advance(self, var: Any, old: Any, new: Any, op_name: str, cut: bool = False) -> None:
+        """Makes ``new`` the variable's current version, for every open tape."""
+        self.current[var._unique_id] = new
+        self.owners[id(new)] = var
+        for tape in self.tapes:
+            tape._note_write(var, old, new, op_name, cut)
+
+    def refuses_untracked(self) -> bool:
+        return any(tape._untracked_writes == "raise" for tape in self.tapes)
 
 
 def _scopes() -> Dict[Any, Scope]:
@@ -74,6 +100,7 @@ def close_scope(scope: Scope, tape: "AssignAwareTape") -> None:
     scope.tapes.remove(tape)
     if not scope.tapes:
         scope.current.clear()
+        scope.owners.clear()
         _scopes().pop(scope.key, None)
 
 
@@ -93,28 +120,30 @@ def _enclosing_scope(scopes: Dict[Any, Scope]) -> Optional[Scope]:
     return None
 
 
-def scope_for_write(var: Any, method: str) -> Optional[Scope]:
-    """The scope a write in the current context belongs to, or ``None``.
-
-    Returns ``None`` when no tape is open here (the write is plain TensorFlow),
-    and raises ``ControlFlowWriteError`` for a write in a control-flow body
-    nested inside a graph that has a tape.
-    """
+def owner(tensor: Any) -> Optional[Tuple[Scope, Any]]:
+    """The scope and variable whose handle ``tensor`` is, if a tape tracks it."""
     scopes = getattr(_tls, "scopes", None)
-    if not scopes:
+    if not scopes or not isinstance(tensor, tensor_lib.Tensor):
         return None
     scope = _enclosing_scope(scopes)
-    if scope is not None and scope.key is not current_key():
+    if scope is None:
+        return None
+    var = scope.owners.get(id(tensor))
+    return None if var is None else (scope, var)
+
+
+def check_writable_here(scope: Scope, var: Any, op_name: str) -> None:
+    """Refuses a write in a control-flow body nested in the tape's graph."""
+    if scope.key is not current_key():
         from assigntape._errors import ControlFlowWriteError
 
         raise ControlFlowWriteError(
-            f"{method}() to variable {var.name!r} inside a graph control-flow body "
+            f"{op_name} to variable {var.name!r} inside a graph control-flow body "
             "(tf.cond, tf.while_loop, or an autograph loop over a tensor) while an "
             "AssignAwareTape is open around it: the new version cannot leave that "
             "body. Unroll the loop in Python (for _ in range(n)), choose the branch "
             "in Python, or open the tape inside the body."
         )
-    return scope
 
 
 class HandleDescriptor:
@@ -129,8 +158,12 @@ class HandleDescriptor:
             scope = _enclosing_scope(scopes)
             if scope is not None:
                 handle = scope.current.get(d.get("_unique_id"))
-                if handle is not None:
-                    return handle
+                if handle is None:
+                    handle = d.get("_handle")
+                    if handle is None:
+                        raise AttributeError("_handle")
+                scope.owners[id(handle)] = inst
+                return handle
         try:
             return d["_handle"]
         except KeyError:

@@ -14,15 +14,26 @@ from tensorflow.python.ops import resource_variable_ops as rvo
 from assigntape import AssignAwareTape
 from assigntape import _versions
 
-PATCHED = [
-    (rvo.BaseResourceVariable, "_handle"),
-    (rvo.BaseResourceVariable, "assign"),
-    (rvo.BaseResourceVariable, "assign_add"),
-    (rvo.BaseResourceVariable, "assign_sub"),
-    (rvo.ResourceVariable, "assign"),
-    (rvo.ResourceVariable, "assign_add"),
-    (rvo.ResourceVariable, "assign_sub"),
-]
+from assigntape import _patches
+
+PATCHED = _patches.patched_places()
+
+
+def test_the_write_ops_and_the_handle_are_among_the_patched_places():
+    from tensorflow.python.ops import gen_resource_variable_ops as grv
+    from tensorflow.python.ops import gen_state_ops, gen_training_ops
+
+    for place in [
+        (rvo.BaseResourceVariable, "_handle"),
+        (grv, "assign_variable_op"),
+        (grv, "AssignVariableOp"),
+        (tf.raw_ops, "AssignVariableOp"),
+        (grv, "resource_scatter_update"),
+        (gen_state_ops, "resource_scatter_nd_sub"),
+        (gen_training_ops, "resource_apply_adam"),
+        (tf.raw_ops, "ResourceApplyGradientDescent"),
+    ]:
+        assert place in PATCHED, place
 
 
 def _snapshot():
