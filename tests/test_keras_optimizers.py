@@ -162,3 +162,48 @@ def test_plain_tape_gives_no_hypergradient():
     model, lr_var, opt = _keras_setup("sgd", 0.3)
     tape, val = _train_and_validate(model, opt, tf.GradientTape)
     assert tape.gradient(val, lr_var) is None
+
+
+IDS = np.array([[0, 3, 3], [5, 1, 3], [2, 2, 0]])
+TARGETS = np.linspace(-1.0, 1.0, 3).reshape(3, 1)
+
+
+def _embedding_setup(name, lr0):
+    emb = keras.layers.Embedding(6, 2, dtype=DTYPE)
+    head = keras.layers.Dense(1, dtype=DTYPE)
+    model = keras.Sequential([keras.Input((3,), dtype="int32"), emb,
+                              keras.layers.GlobalAveragePooling1D(dtype=DTYPE), head])
+    rng = np.random.default_rng(5)
+    model.set_weights([rng.normal(size=(6, 2)), rng.normal(size=(2, 1)), np.zeros(1)])
+    lr_var = tf.Variable(lr0, dtype=DTYPE)
+    opt = _make_optimizer(name, lr_var)
+    opt.build(model.trainable_variables)
+    return model, lr_var, opt
+
+
+def _embedding_run(model, opt, tape_cls):
+    with tape_cls() as outer:
+        for _ in range(STEPS):
+            with tf.GradientTape() as inner:
+                loss = _mse(model(IDS), TARGETS)
+            grads = inner.gradient(loss, model.trainable_variables)
+            assert isinstance(grads[0], tf.IndexedSlices)  # the sparse path
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        val = _mse(model(IDS[::-1]), TARGETS)
+    return outer, val
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_sparse_embedding_gradients_hypergradient_matches_finite_differences(name):
+    model, lr_var, opt = _embedding_setup(name, LR0[name])
+    tape, val = _embedding_run(model, opt, AssignAwareTape)
+    d_lr = tape.gradient(val, lr_var)
+    assert d_lr is not None
+
+    def val_at(point):
+        m, _, o = _embedding_setup(name, float(point[0]))
+        return float(_embedding_run(m, o, tf.GradientTape)[1])
+
+    fd = central_difference(val_at, [np.array(LR0[name])], [np.array(1.0)], eps=1e-6)
+    np.testing.assert_allclose(float(d_lr), fd, rtol=1e-5, atol=1e-9)
+    assert abs(fd) > 1e-4

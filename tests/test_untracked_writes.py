@@ -1,0 +1,130 @@
+"""Writes the tape cannot differentiate are refused, or cut by option; never
+silently wrong. Writes it can (checkpoint restore, raw ops) are versions."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from assigntape import AssignAwareTape, UntrackedWriteError
+
+
+def _fused_sgd(v, g):
+    tf.raw_ops.ResourceApplyGradientDescent(var=v.handle, alpha=tf.constant(0.1), delta=g)
+
+
+def _fused_adam(v, g):
+    m, s = tf.Variable(tf.zeros_like(v)), tf.Variable(tf.zeros_like(v))
+    one = tf.constant(1.0)
+    tf.raw_ops.ResourceApplyAdam(
+        var=v.handle, m=m.handle, v=s.handle, beta1_power=one * 0.9, beta2_power=one * 0.999,
+        lr=one * 0.01, beta1=one * 0.9, beta2=one * 0.999, epsilon=one * 1e-7, grad=g,
+    )
+
+
+def _fused_momentum_snake(v, g):
+    from tensorflow.python.ops import gen_training_ops
+
+    accum = tf.Variable(tf.zeros_like(v))
+    gen_training_ops.resource_apply_keras_momentum(
+        var=v.handle, accum=accum.handle, lr=tf.constant(0.1), grad=g, momentum=tf.constant(0.9)
+    )
+
+
+def _compat_v1_optimizer(v, g):
+    tf.compat.v1.train.GradientDescentOptimizer(0.1).apply_gradients([(g, v)])
+
+
+def _sparse_fused(v, g):
+    accum = tf.Variable(tf.ones_like(v))
+    tf.raw_ops.ResourceSparseApplyAdagrad(
+        var=v.handle, accum=accum.handle, lr=tf.constant(0.1), grad=g[:1], indices=tf.constant([1])
+    )
+
+
+UNTRACKED = {
+    "ResourceApplyGradientDescent": _fused_sgd,
+    "ResourceApplyAdam": _fused_adam,
+    "ResourceApplyKerasMomentum": _fused_momentum_snake,
+    "compat.v1 GradientDescentOptimizer": _compat_v1_optimizer,
+    "ResourceSparseApplyAdagrad": _sparse_fused,
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNTRACKED))
+def test_fused_kernel_write_is_refused_and_changes_nothing(name):
+    v = tf.Variable([1.0, 2.0], name="fused_target")
+    with AssignAwareTape() as tape:
+        loss = tf.reduce_sum(v * v)
+        g = tf.constant([0.5, 0.5])
+        versions = tape.versions(v)
+        with pytest.raises(UntrackedWriteError) as info:
+            UNTRACKED[name](v, g)
+        assert tape.versions(v) == versions
+    message = str(info.value)
+    assert "fused_target" in message
+    assert "ResourceApply" in message or "ResourceSparseApply" in message
+    assert "untracked_writes='cut'" in message and "Keras 3 optimizer" in message
+    assert isinstance(info.value, RuntimeError)
+    np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])
+    np.testing.assert_array_equal(tape.gradient(loss, v), [2.0, 4.0])
+
+
+def test_fused_kernel_on_an_untracked_variable_is_plain_tensorflow():
+    inside = tf.Variable([1.0, 2.0])
+    outside = tf.Variable([1.0, 2.0])
+    with AssignAwareTape() as tape:
+        loss = tf.reduce_sum(inside)
+        # `outside` is never touched in the tape: nothing to protect.
+        tf.raw_ops.ResourceApplyGradientDescent(
+            var=outside.__dict__["_handle"], alpha=tf.constant(1.0), delta=tf.constant([1.0, 1.0])
+        )
+    np.testing.assert_array_equal(outside.numpy(), [0.0, 1.0])
+    assert tape.gradient(loss, inside) is not None
+
+
+def test_cut_option_makes_a_version_with_no_gradient_path():
+    v, a = tf.Variable([1.0, 2.0], name="cut_me"), tf.Variable(3.0)
+    with AssignAwareTape(untracked_writes="cut") as tape:
+        v.assign(v * a)  # tracked
+        with pytest.warns(UserWarning, match="cut_me"):
+            _fused_sgd(v, tf.constant([10.0, 10.0]))  # v2 = v1 - 1, untracked
+        loss = tf.reduce_sum(v * a)
+    np.testing.assert_allclose(v.numpy(), [2.0, 5.0])
+    assert len(tape.versions(v)) == 3
+    dv, da = tape.gradient(loss, [v, a])
+    assert dv is None  # the path through v1 is cut
+    assert float(da) == 7.0  # only the read after the cut write
+
+
+def test_cut_is_chosen_per_tape_and_raise_wins_when_nested():
+    v = tf.Variable([1.0, 2.0])
+    with AssignAwareTape():
+        with AssignAwareTape(untracked_writes="cut"):
+            _ = v * 1.0
+            with pytest.raises(UntrackedWriteError):
+                _fused_sgd(v, tf.constant([1.0, 1.0]))
+
+
+def test_bad_option_value():
+    with pytest.raises(ValueError, match="untracked_writes"):
+        AssignAwareTape(untracked_writes="ignore")
+
+
+def test_checkpoint_restore_is_a_version_with_no_gradient(tmp_path):
+    v, a = tf.Variable([1.0, 2.0]), tf.Variable(3.0)
+    ckpt = tf.train.Checkpoint(v=v)
+    path = ckpt.write(str(tmp_path / "ckpt"))
+    with AssignAwareTape(persistent=True) as tape:
+        v.assign(v * a)  # 3, 6
+        early = tf.reduce_sum(v)
+        ckpt.read(path).assert_consumed()  # back to 1, 2: a value from disk
+        late = tf.reduce_sum(v * a)
+    np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])
+    assert len(tape.versions(v)) == 3
+    assert float(tape.gradient(early, a)) == 3.0
+    assert float(tape.gradient(late, a)) == 3.0  # d/da of (1 + 2) a: no path into the restored value
+    assert tape.gradient(late, v) is None
