@@ -3,7 +3,8 @@
 Hypothesis generates straight-line programs over a few variables of several
 shapes and dtypes: reads by several paths, elementwise and matmul ops,
 ``assign`` / ``assign_add`` / ``assign_sub`` (some with constants, some under
-``stop_recording``). One interpreter runs each program twice:
+``stop_recording``), and partial writes: scatter and scatter_nd updates, adds
+and subs on unique rows, and slice assignment. One interpreter runs each program twice:
 
 * on ``tf.Variable``s under ``AssignAwareTape``;
 * on tensors rebound by every write, under a plain ``tf.GradientTape`` (the
@@ -38,6 +39,7 @@ UNARY = {
 }
 BINARY = ["add", "mul", "sub", "matvec"]
 WRITES = ["assign", "assign_add", "assign_sub"]
+PARTIAL = ["scatter_update", "scatter_add", "scatter_sub", "scatter_nd_update", "scatter_nd_add", "slice"]
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,23 @@ def programs(draw) -> Program:
         return (kind, draw(st.integers(0, count - 1)), draw(st.integers(0, 3)))
 
     for _ in range(draw(st.integers(1, 8))):
-        what = draw(st.sampled_from(["read", "write", "write", "write_const", "write_stopped"]))
-        if what == "read":
+        what = draw(st.sampled_from(["read", "write", "write", "write_const", "write_stopped", "partial"]))
+        if what == "partial":
+            i = draw(st.integers(0, n_vars - 1))
+            if not shapes[i]:
+                continue  # a scalar has no part to write
+            kind = draw(st.sampled_from(PARTIAL))
+            n = shapes[i][0]
+            if kind == "slice":
+                start = draw(st.integers(0, n - 1))
+                rows = tuple(range(start, draw(st.integers(start + 1, n))))
+            else:
+                rows = tuple(draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True)))
+            statements.append(
+                ("partial", i, kind, rows, operand(), operand(), draw(st.sampled_from(BINARY)),
+                 draw(st.sampled_from(sorted(UNARY))))
+            )
+        elif what == "read":
             statements.append(("read", operand(), draw(st.sampled_from(sorted(UNARY)))))
             n_temps += 1
         elif what == "write_const":
@@ -116,6 +133,15 @@ class VariableStore:
         else:
             method(value)
 
+    def write_part(self, i, kind, rows, value):
+        v = self.variables[i]
+        if kind == "slice":
+            v[rows[0] : rows[-1] + 1].assign(value)
+        elif kind.startswith("scatter_nd"):
+            getattr(v, kind)([[r] for r in rows], value)
+        else:
+            getattr(v, kind)(tf.IndexedSlices(value, tf.constant(rows)))
+
     def final(self, i):
         return self.variables[i]
 
@@ -137,6 +163,11 @@ class TensorStore:
         # from the old value included.
         self.tensors[i] = tf.stop_gradient(new) if stopped else new
 
+    def write_part(self, i, kind, rows, value):
+        combine = {"scatter_add": tf.tensor_scatter_nd_add, "scatter_sub": tf.tensor_scatter_nd_sub,
+                   "scatter_nd_add": tf.tensor_scatter_nd_add}.get(kind, tf.tensor_scatter_nd_update)
+        self.tensors[i] = combine(self.tensors[i], [[r] for r in rows], value)
+
     def final(self, i):
         return self.tensors[i]
 
@@ -149,9 +180,9 @@ def _fit(x, shape, dtype):
 
 
 def _binary(op, a, b):
+    a, b = tf.cast(a, tf.float64), tf.cast(b, tf.float64)
     if op == "matvec" and a.shape.rank == 2 and b.shape.rank == 1 and a.shape[1] == b.shape[0]:
         return tf.linalg.matvec(a, b)
-    a, b = tf.cast(a, tf.float64), tf.cast(b, tf.float64)
     if a.shape != b.shape:
         a, b = tf.reduce_mean(a), tf.reduce_mean(b)
     return {"add": a + b, "mul": a * b, "sub": a - b, "matvec": a * b}[op]
@@ -172,6 +203,11 @@ def interpret(program: Program, store, params, temps_dtype=None):
         if stmt[0] == "read":
             _, operand, unary = stmt
             temps.append(UNARY[unary](value_of(operand)))
+        elif stmt[0] == "partial":
+            _, i, kind, rows, a, b, op, unary = stmt
+            value = UNARY[unary](_binary(op, value_of(a), value_of(b)))
+            part_shape = (len(rows),) + tuple(program.shapes[i][1:])
+            store.write_part(i, kind, rows, _fit(value, part_shape, program.dtypes[i]))
         elif stmt[0] == "write_const":
             _, i, kind = stmt
             store.write(i, kind, tf.fill(program.shapes[i], tf.constant(0.25, program.dtypes[i])), False)
