@@ -154,9 +154,12 @@ def _untracked_write(op_name: str, params: Sequence[str]) -> Callable[..., Any]:
 
 def _patch_targets() -> List[Tuple[List[Tuple[Any, str]], Any, Callable[..., Any]]]:
     """Each op: where its wrapper is found, the original, and our wrapper."""
-    # tf.raw_ops only: tf.compat.v1.raw_ops is a TFModuleWrapper whose
-    # __setattr__ costs ~20 us, which every tape would pay twice per op.
+    # tf.raw_ops and tf.compat.v2.raw_ops (a separate module holding the same
+    # functions, which tf_keras calls). Not tf.compat.v1.raw_ops: it is a
+    # TFModuleWrapper with its own attribute cache and a ~20 us __setattr__.
     raw_modules = [tf.raw_ops]
+    if tf.compat.v2.raw_ops is not tf.raw_ops:
+        raw_modules.append(tf.compat.v2.raw_ops)
     written = list(_rules.RULES)
     written += [
         name
@@ -226,7 +229,7 @@ def _install() -> None:
     setattr(base, "_handle", _versions.HandleDescriptor())
     for group in _groups:
         vars(group.owner).update(group.wrappers)
-        if group.owner is tf.raw_ops:
+        if group.owner in (tf.raw_ops, tf.compat.v2.raw_ops):
             # AutoGraph warns about every wrapt-wrapped callee it meets while
             # converting a tf.function (user code calling tf.raw_ops directly),
             # unless the callee looks like one of its own artifacts; the wrapper
