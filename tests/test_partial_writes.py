@@ -208,3 +208,48 @@ def test_compat_v1_and_raw_op_writes_are_tracked():
     d_final_da = np.array([1 + 2 * a0 + 1, 2 + 1, 10])
     np.testing.assert_allclose(float(da), np.sum(2 * final * d_final_da))
     np.testing.assert_allclose(dv, [2 * final[0] * a0, 2 * final[1] * a0, 0.0])
+
+
+RAW = {
+    "AssignVariableOp": (
+        lambda v, u: tf.raw_ops.AssignVariableOp(resource=v.handle, value=tf.concat([u, u], 0)),
+        lambda old, u: tf.concat([u, u], 0),
+    ),
+    "AssignAddVariableOp": (
+        lambda v, u: tf.raw_ops.AssignAddVariableOp(resource=v.handle, value=tf.concat([u, u], 0)),
+        lambda old, u: old + tf.concat([u, u], 0),
+    ),
+    "AssignSubVariableOp": (
+        lambda v, u: tf.raw_ops.AssignSubVariableOp(resource=v.handle, value=tf.concat([u, u], 0)),
+        lambda old, u: old - tf.concat([u, u], 0),
+    ),
+    "ResourceScatterUpdate": (
+        lambda v, u: tf.raw_ops.ResourceScatterUpdate(resource=v.handle, indices=[3, 1], updates=u),
+        lambda old, u: tf.tensor_scatter_nd_update(old, [[3], [1]], u),
+    ),
+    "ResourceScatterNdAdd": (
+        lambda v, u: tf.raw_ops.ResourceScatterNdAdd(ref=v.handle, indices=[[0], [2]], updates=u),
+        lambda old, u: tf.tensor_scatter_nd_add(old, [[0], [2]], u),
+    ),
+    "ResourceStridedSliceAssign": (
+        lambda v, u: tf.raw_ops.ResourceStridedSliceAssign(
+            ref=v.handle, begin=[1, 0], end=[3, 3], strides=[1, 1], value=u
+        ),
+        lambda old, u: tf.tensor_scatter_nd_update(old, [[1], [2]], u),
+    ),
+    "compat.v1.assign_sub": (
+        lambda v, u: tf.compat.v1.assign_sub(v, tf.concat([u, u], 0)),
+        lambda old, u: old - tf.concat([u, u], 0),
+    ),
+    "compat.v1.scatter_update": (
+        lambda v, u: tf.compat.v1.scatter_update(v, [0, 3], u),
+        lambda old, u: tf.tensor_scatter_nd_update(old, [[0], [3]], u),
+    ),
+}
+
+
+@modes
+@pytest.mark.parametrize("name", sorted(RAW))
+def test_raw_ops_and_compat_v1_writes_are_differentiated(mode, name):
+    program, rewrite = RAW[name]
+    _check(mode, program, rewrite)
