@@ -23,11 +23,13 @@ from __future__ import annotations
 import operator
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import tensorflow as tf
 import wrapt
 from tensorflow.python.eager import context, record
+from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import (
     array_ops,
@@ -184,6 +186,87 @@ def _patch_targets() -> List[Tuple[List[Tuple[Any, str]], Any, Callable[..., Any
     return targets
 
 
+def _written_inputs(function: Any) -> List[int]:
+    """Positions of the function's inputs that ops in its graph write (cached)."""
+    cached = _function_writes.get(function)
+    if cached is None:
+        graph = function.graph
+        position = {id(t): i for i, t in enumerate(graph.inputs)}
+        cached = sorted(
+            {
+                position[id(inp)]
+                for op in graph.get_operations()
+                if op.type in _rules.RULES or op.type.startswith(_rules.UNDIFFERENTIABLE_PREFIXES)
+                for inp in op.inputs
+                if id(inp) in position
+            }
+        )
+        _function_writes[function] = cached
+    return cached
+
+
+_function_writes: "weakref.WeakKeyDictionary[Any, List[int]]" = weakref.WeakKeyDictionary()
+
+
+def _call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``ConcreteFunction._call_flat`` under an eager tape.
+
+    A function keeps the handles it captured when it was traced: the variables'
+    own. Map each to the variable's current version, so the function reads it
+    and the gradient reaches it. A function that writes a tracked variable is
+    refused (or cut): its writes happen inside the graph, out of the tape's sight.
+    """
+    scope = _versions.eager_scope()
+    if scope is None:
+        return wrapped(*args, **kwargs)
+    arguments = _bind(("tensor_inputs", "captured_inputs"), args, kwargs)
+    tensor_inputs = list(arguments["tensor_inputs"])
+    by_handle = {
+        id(_versions.canonical_handle(v)): v
+        for v in instance.graph.variables
+        if isinstance(v, resource_variable_ops.BaseResourceVariable)
+    }
+    captured_vars = [by_handle.get(id(h)) for h in arguments["captured_inputs"]]
+    captured = [
+        h if v is None else scope.current_version(v)
+        for h, v in zip(arguments["captured_inputs"], captured_vars)
+    ]
+    # Variables passed as arguments arrive as handles the descriptor served.
+    input_vars = [None if found is None else found[1] for found in map(_versions.owner, tensor_inputs)]
+    all_vars = input_vars + captured_vars
+    written = [
+        var
+        for var in (all_vars[i] for i in _written_inputs(instance) if i < len(all_vars))
+        if var is not None and _differentiable(var) and scope.tracks(var)
+    ]
+    name = instance.name.decode() if isinstance(instance.name, bytes) else str(instance.name)
+    if written and scope.refuses_untracked():
+        raise UntrackedWriteError(
+            f"tf.function {name!r} writes variable {written[0].name!r}, which "
+            "an AssignAwareTape is tracking, and writes inside a function called from "
+            "an eager tape happen out of the tape's sight: reads after it would "
+            "credit the previous version, a silently wrong gradient. Open the tape "
+            "inside the function, call the function outside the tape, or pass "
+            "AssignAwareTape(untracked_writes='cut') to treat the write as a new "
+            "version with no gradient path."
+        )
+    if written:
+        warnings.warn(
+            f"AssignAwareTape: tf.function {name!r} wrote "
+            f"{written[0].name!r}; no gradient flows through that write "
+            "(untracked_writes='cut').",
+            stacklevel=3,
+        )
+    result = wrapped(tensor_inputs, captured)
+    for var in written:
+        old = scope.current_version(var)
+        scope.advance(var, old, _new_version(old, None), name, cut=True)
+    return result
+
+
+_call_flat_wrapper = None
+
+
 # Built on first use and kept, grouped by the module that holds them, so that
 # installing is one dict update per module.
 class _Group:
@@ -227,6 +310,12 @@ def _install() -> None:
     base = resource_variable_ops.BaseResourceVariable
     _saved.append((base, "_handle", base.__dict__.get("_handle", _ABSENT)))
     setattr(base, "_handle", _versions.HandleDescriptor())
+    global _call_flat_wrapper
+    original = vars(ConcreteFunction)["_call_flat"]
+    if _call_flat_wrapper is None or _call_flat_wrapper.__wrapped__ is not original:
+        _call_flat_wrapper = wrapt.FunctionWrapper(original, _call_function)
+    _saved.append((ConcreteFunction, "_call_flat", original))
+    setattr(ConcreteFunction, "_call_flat", _call_flat_wrapper)
     for group in _groups:
         vars(group.owner).update(group.wrappers)
         if group.owner in (tf.raw_ops, tf.compat.v2.raw_ops):
@@ -280,4 +369,6 @@ def patched_places() -> List[Tuple[Any, str]]:
     if not _groups:
         _build_wrappers()
     base = resource_variable_ops.BaseResourceVariable
-    return [(base, "_handle")] + [(group.owner, name) for group in _groups for name in group.names]
+    return [(base, "_handle"), (ConcreteFunction, "_call_flat")] + [
+        (group.owner, name) for group in _groups for name in group.names
+    ]

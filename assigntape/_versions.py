@@ -69,6 +69,10 @@ class Scope:
         for tape in self.tapes:
             tape._note_write(var, old, new, op_name, cut)
 
+    def tracks(self, var: Any) -> bool:
+        """Whether the tape has seen this variable (read or written)."""
+        return var._unique_id in self.current or any(v is var for v in self.owners.values())
+
     def refuses_untracked(self) -> bool:
         return any(tape._untracked_writes == "raise" for tape in self.tapes)
 
@@ -130,6 +134,14 @@ def owner(tensor: Any) -> Optional[Tuple[Scope, Any]]:
         return None
     var = scope.owners.get(id(tensor))
     return None if var is None else (scope, var)
+
+
+def eager_scope() -> Optional[Scope]:
+    """This thread's eager scope, when executing eagerly with a tape open."""
+    scopes = getattr(_tls, "scopes", None)
+    if not scopes or not context.executing_eagerly():
+        return None
+    return scopes.get(None)
 
 
 def check_writable_here(scope: Scope, var: Any, op_name: str) -> None:

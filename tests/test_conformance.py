@@ -243,6 +243,16 @@ def keras_dense_training_step(T):
 
 
 @case
+def tf_function_called_in_the_tape(T):
+    w, b = _vars()
+    f = tf.function(lambda: tf.reduce_sum(tf.tanh(w) @ tf.reshape(b, [2, 1])))
+    f()
+    with T() as t:
+        y = f() + tf.reduce_sum(w)
+    return t.gradient(y, [w, b])
+
+
+@case
 def integer_counter_written_without_float_writes(T):
     step = tf.Variable(0, dtype=tf.int64)
     w, _ = _vars()
