@@ -133,3 +133,22 @@ def test_graph_loop_without_a_tape_is_plain_tensorflow():
     with AssignAwareTape():  # open in eager mode, around the call
         pass
     assert float(f()) == 8.0
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["tf.function", "xla"])
+def test_xla_compiled_tape_matches_eager(jit):
+    def make():
+        return tf.Variable([[1.0, 2.0], [3.0, -1.0]]), tf.Variable(2.0)
+
+    def body(v, a):
+        with AssignAwareTape() as tape:
+            v.assign(v * a)
+            v.assign_sub(tf.fill([2, 2], a * a))
+            v.scatter_add(tf.IndexedSlices(tf.reshape(tf.stack([a, 3.0]), [1, 2]), [1]))
+            v[0, 1].assign(a * 5.0)
+            y = tf.reduce_sum(tf.sin(v) * v)
+        return tape.gradient(y, [v, a])
+
+    eager = body(*make())
+    compiled = tf.function(body, jit_compile=jit)(*make())
+    assert_grads_close(compiled, eager, rtol=1e-5)
