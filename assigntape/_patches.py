@@ -81,6 +81,18 @@ def _new_version(old: Any, write_result: Any) -> Any:
     the old one whenever the write itself is not recorded (a constant value, or
     nothing watched), leaking gradient to what produced the old value.
     """
+    if context.executing_eagerly():
+        copy = getattr(old, "_copy_nograd", None)
+        if copy is not None:
+            # A new EagerTensor for the same handle, without dispatching an op
+            # and without recording: ~3 us against ~45 us for tf.identity. The
+            # handle's dtype-and-shape data (which gradients w.r.t. a version
+            # need) lives on the Python object, so carry it over.
+            new = copy(context.context(), old.device)
+            handle_data = getattr(old, "_handle_data", None)
+            if handle_data is not None:
+                new._handle_data = handle_data
+            return new
     with record.stop_recording():
         if context.executing_eagerly() or write_result is None:
             return array_ops.identity(old)

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m benchmarks`` prints ratios against same-run baselines."""
