@@ -279,6 +279,15 @@ def _call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs
 _call_flat_wrapper = None
 
 
+class _Wrapper(wrapt.FunctionWrapper):
+    # AutoGraph warns about every wrapt-wrapped callee it meets while converting
+    # a tf.function (user code calling tf.raw_ops directly), unless the callee
+    # looks like one of its own artifacts. A class attribute answers that lookup
+    # before the proxy would forward it to TensorFlow's function, which stays
+    # untouched. (AutoGraph calls TensorFlow's ops unconverted either way.)
+    autograph_info__: Dict[str, Any] = {}
+
+
 # Built on first use and kept, grouped by the module that holds them, so that
 # installing is one dict update per module.
 class _Group:
@@ -295,7 +304,7 @@ class _Group:
         original = vars(self.owner)[name]
         self.names.append(name)
         self.originals[name] = original
-        self.wrappers[name] = wrapt.FunctionWrapper(original, wrapper)
+        self.wrappers[name] = _Wrapper(original, wrapper)
         self.get = operator.itemgetter(*self.names)
 
     def unchanged(self) -> bool:
@@ -325,22 +334,11 @@ def _install() -> None:
     global _call_flat_wrapper
     original = vars(ConcreteFunction)["_call_flat"]
     if _call_flat_wrapper is None or _call_flat_wrapper.__wrapped__ is not original:
-        _call_flat_wrapper = wrapt.FunctionWrapper(original, _call_function)
+        _call_flat_wrapper = _Wrapper(original, _call_function)
     _saved.append((ConcreteFunction, "_call_flat", original))
     setattr(ConcreteFunction, "_call_flat", _call_flat_wrapper)
     for group in _groups:
         vars(group.owner).update(group.wrappers)
-        if group.owner in (tf.raw_ops, tf.compat.v2.raw_ops):
-            # AutoGraph warns about every wrapt-wrapped callee it meets while
-            # converting a tf.function (user code calling tf.raw_ops directly),
-            # unless the callee looks like one of its own artifacts; the wrapper
-            # forwards attribute lookups to the original, so mark that (and
-            # unmark it on exit). TensorFlow's own calls to the gen_*_ops
-            # functions are never converted, so those need no mark.
-            for original in group.originals.values():
-                if "autograph_info__" not in vars(original):
-                    _saved.append((original, "autograph_info__", _ABSENT))
-                    original.autograph_info__ = {}
 
 
 def _uninstall() -> None:
