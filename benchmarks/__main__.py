@@ -51,22 +51,28 @@ def _ratios(raw):
     return rows
 
 
+def _slope(points, idx):
+    xs = [p[0] for p in points]
+    ys = [p[idx] for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
 def _slopes(rows):
-    """Per-write cost from 4a/4b: least squares of time on the count."""
+    """Per-item cost from 4a/4b: least squares of time on the count."""
     out = {}
-    for prefix, label in [("4a", "writes to one variable"), ("4b", "variables written once")]:
-        points = []
-        for row in rows:
-            if row["workload"].startswith(prefix):
-                n = int(row["workload"].split()[1])
-                points.append((n, row["assigntape_ms"], row["baseline_ms"]))
-        if len(points) >= 2:
-            def slope(idx):
-                xs = [p[0] for p in points]
-                ys = [p[idx] for p in points]
-                mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-                return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-            out[label] = {"assigntape_us_per_item": slope(1) * 1e3, "baseline_us_per_item": slope(2) * 1e3}
+    for key, what in [("4a", "writes to one variable"), ("4b", "variables written once")]:
+        for mode in ("eager", "compiled"):
+            points = [
+                (int(r["workload"].split()[1]), r["assigntape_ms"], r["baseline_ms"])
+                for r in rows
+                if r["workload"].startswith(key + " ") and r["workload"].endswith(f"[{mode}]")
+            ]
+            if len(points) >= 2:
+                out[f"{what} [{mode}]"] = {
+                    "assigntape_us_per_item": _slope(points, 1) * 1e3,
+                    "baseline_us_per_item": _slope(points, 2) * 1e3,
+                }
     return out
 
 

@@ -22,11 +22,14 @@ for mode, compiled in MODES.items():
     for k in (1, 4, 16, 64):
         CASES.append((f"3 vs chain-rule workaround, K={k} [{mode}]", lambda k=k, c=compiled: workloads.workaround(k, c)))
     CASES.append((f"5 Keras Adam step, 1M params [{mode}]", lambda c=compiled: workloads.adam_step(c)))
-for n in (1, 10, 100, 1000):
-    CASES.append((f"4a {n} writes to one variable [eager]", lambda n=n: workloads.writes_per_tape(n)))
-    CASES.append((f"4b {n} variables written once [eager]", lambda n=n: workloads.variables_per_tape(n)))
-for n in (100, 10_000, 1_000_000):
-    CASES.append((f"4c assign_add of {n} elements [eager]", lambda n=n: workloads.tensor_size(n)))
+    for n in (1, 10, 100, 1000):
+        CASES.append((f"4a {n} writes to one variable [{mode}]",
+                      lambda n=n, c=compiled: workloads.writes_per_tape(n, compiled=c)))
+        CASES.append((f"4b {n} variables written once [{mode}]",
+                      lambda n=n, c=compiled: workloads.variables_per_tape(n, compiled=c)))
+    for n in (100, 10_000, 1_000_000):
+        CASES.append((f"4c assign_add of {n} elements [{mode}]",
+                      lambda n=n, c=compiled: workloads.tensor_size(n, compiled=c)))
 
 _built = {}
 

@@ -129,7 +129,7 @@ def workaround(k: int, compiled: bool) -> Dict[str, Step]:
     return {"baseline": _maybe_compile(chain_rule, compiled), "assigntape": _maybe_compile(written, compiled)}
 
 
-def writes_per_tape(n: int, size: int = 16) -> Dict[str, Step]:
+def writes_per_tape(n: int, size: int = 16, compiled: bool = False) -> Dict[str, Step]:
     """Workload 4a: n writes to one variable, against tensors rebound n times."""
     v, a = tf.Variable(tf.ones([size])), tf.Variable(0.999)
 
@@ -150,10 +150,10 @@ def writes_per_tape(n: int, size: int = 16) -> Dict[str, Step]:
             loss = tf.reduce_sum(t)
         return tape.gradient(loss, a)
 
-    return {"baseline": functional, "assigntape": written}
+    return {"baseline": _maybe_compile(functional, compiled), "assigntape": _maybe_compile(written, compiled)}
 
 
-def variables_per_tape(n: int) -> Dict[str, Step]:
+def variables_per_tape(n: int, compiled: bool = False) -> Dict[str, Step]:
     """Workload 4b: n variables written once each, against n tensors."""
     vs = [tf.Variable(tf.ones([16])) for _ in range(n)]
     a = tf.Variable(0.5)
@@ -175,10 +175,10 @@ def variables_per_tape(n: int) -> Dict[str, Step]:
             loss = tf.add_n([tf.reduce_sum(t) for t in ts])
         return tape.gradient(loss, a)
 
-    return {"baseline": functional, "assigntape": written}
+    return {"baseline": _maybe_compile(functional, compiled), "assigntape": _maybe_compile(written, compiled)}
 
 
-def tensor_size(n: int) -> Dict[str, Step]:
+def tensor_size(n: int, compiled: bool = False) -> Dict[str, Step]:
     """Workload 4c: one assign_add of an n-element tensor."""
     v, a = tf.Variable(tf.ones([n])), tf.Variable(tf.ones([n]))
 
@@ -195,7 +195,7 @@ def tensor_size(n: int) -> Dict[str, Step]:
             loss = tf.reduce_sum(t * t)
         return tape.gradient(loss, a)
 
-    return {"baseline": functional, "assigntape": written}
+    return {"baseline": _maybe_compile(functional, compiled), "assigntape": _maybe_compile(written, compiled)}
 
 
 def adam_step(compiled: bool) -> Dict[str, Step]:
