@@ -63,14 +63,17 @@ def _keras_setup(name, lr0):
     return model, lr_var, opt
 
 
-def _train_and_validate(model, opt, tape_cls):
+def _train_and_validate(model, opt, tape_cls, data=(X, Y, XV, YV), sparse=False):
+    """STEPS optimizer steps inside ``tape_cls``, then the validation loss."""
+    x, y, xv, yv = data
     with tape_cls() as outer:
         for _ in range(STEPS):
             with tf.GradientTape() as inner:
-                loss = _mse(model(X), Y)
+                loss = _mse(model(x), y)
             grads = inner.gradient(loss, model.trainable_variables)
+            assert isinstance(grads[0], tf.IndexedSlices) == sparse
             opt.apply_gradients(zip(grads, model.trainable_variables))
-        val = _mse(model(XV), YV)
+        val = _mse(model(xv), yv)
     return outer, val
 
 
@@ -182,15 +185,7 @@ def _embedding_setup(name, lr0):
 
 
 def _embedding_run(model, opt, tape_cls):
-    with tape_cls() as outer:
-        for _ in range(STEPS):
-            with tf.GradientTape() as inner:
-                loss = _mse(model(IDS), TARGETS)
-            grads = inner.gradient(loss, model.trainable_variables)
-            assert isinstance(grads[0], tf.IndexedSlices)  # the sparse path
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-        val = _mse(model(IDS[::-1]), TARGETS)
-    return outer, val
+    return _train_and_validate(model, opt, tape_cls, (IDS, TARGETS, IDS[::-1], TARGETS), sparse=True)
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])
