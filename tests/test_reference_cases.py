@@ -82,8 +82,10 @@ def test_demo_cases_match_the_reference_values():
     for case, value in zip(seed_cases.CASES, expected):
         _, aware = case.program(AssignAwareTape)
         _, rewrite = case.rewrite()
+        _, by_hand = case.chain_rule()
         np.testing.assert_allclose(float(aware), value, rtol=1e-6)
         np.testing.assert_allclose(float(rewrite), value, rtol=1e-6)
+        np.testing.assert_allclose(float(by_hand), value, rtol=1e-6)
 
 
 def test_demo_prints_the_table(capsys):

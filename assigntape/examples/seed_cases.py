@@ -1,9 +1,12 @@
-"""The three reference cases, side by side: plain tape, AssignAwareTape, rewrite.
+"""The three reference cases, side by side: plain tape, AssignAwareTape, the
+hand-written chain rule, and the assignment-free rewrite.
 
 Run with ``python -m assigntape.examples.seed_cases`` (or ``python -m assigntape``).
-Each case is a program that writes variables. The *rewrite* is the same program
-with every write rebinding a plain tensor, differentiated by ``tf.GradientTape``:
-the answer a correct tape must give.
+Each case is a program that writes variables. The *chain rule* is today's
+workaround: d loss / d c for each written variable c, then a second gradient of
+the written value with those as output gradients, summed. The *rewrite* is the
+same program with every write rebinding a plain tensor, differentiated by
+``tf.GradientTape``: the answer a correct tape must give.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ class Case(NamedTuple):
     program: Callable[[Type[tf.GradientTape]], Any]
     # rewrite() -> (loss, gradient) with tensors rebound instead of writes.
     rewrite: Callable[[], Any]
+    # chain_rule() -> (loss, gradient) by the two-stage hand-written workaround.
+    chain_rule: Callable[[], Any]
 
 
 def _sum_case(tape_class: Type[tf.GradientTape]) -> Any:
@@ -40,6 +45,26 @@ def _sum_rewrite() -> Any:
         c = a + b
         loss = tf.reduce_mean(c**2)
     return loss, tape.gradient(loss, b)
+
+
+def _chain_rule(tape: tf.GradientTape, loss: Any, writes: Sequence[Any], source: Any) -> Any:
+    """Sum over writes (variable, value) of d value / d source, weighted by
+    d loss / d variable: one extra backward pass per write."""
+    total = None
+    for var, value in writes:
+        g_var = tape.gradient(loss, var)
+        part = tape.gradient(value, source, output_gradients=g_var)
+        total = part if total is None else total + part
+    return total
+
+
+def _sum_chain_rule() -> Any:
+    a, b, c = tf.Variable(1.0), tf.Variable(2.0), tf.Variable(3.0)
+    with tf.GradientTape(persistent=True) as tape:
+        value = a + b
+        c.assign(value)
+        loss = tf.reduce_mean(c**2)
+    return loss, _chain_rule(tape, loss, [(c, value)], b)
 
 
 def _mix(x: Any, a: Any, b: Any) -> Any:
@@ -68,7 +93,21 @@ def _lists_case(a0: Sequence[Any], b0: Sequence[Any], x0: float, loss_fn: Callab
             loss = loss_fn(c)
         return loss, tape.gradient(loss, x)
 
-    return program, rewrite
+    def chain_rule() -> Any:
+        a = [tf.Variable(v, dtype=tf.float32) for v in a0]
+        b = [tf.Variable(v, dtype=tf.float32) for v in b0]
+        c = [tf.Variable(tf.zeros_like(v)) for v in a]
+        x = tf.Variable(x0)
+        with tf.GradientTape(persistent=True) as tape:
+            writes = []
+            for ci, ai, bi in zip(c, a, b):
+                value = _mix(x, ai, bi)
+                ci.assign(value)
+                writes.append((ci, value))
+            loss = loss_fn(c)
+        return loss, _chain_rule(tape, loss, writes, x)
+
+    return program, rewrite, chain_rule
 
 
 _scalars = _lists_case([1.0, 4.0], [2.0, 9.0], 0.01, tf.norm)
@@ -77,7 +116,7 @@ _nested = _lists_case(
 )
 
 CASES = [
-    Case("c.assign(a + b); loss = c**2  ->  d/db", _sum_case, _sum_rewrite),
+    Case("c.assign(a + b); loss = c**2  ->  d/db", _sum_case, _sum_rewrite, _sum_chain_rule),
     Case("c[i].assign((1-x)*a[i] + x*b[i]), scalar a,b,c  ->  d/dx", *_scalars),
     Case("c[i].assign((1-x)*a[i] + x*b[i]), nested a,b,c  ->  d/dx", *_nested),
 ]
@@ -88,14 +127,21 @@ def _fmt(x: Optional[tf.Tensor]) -> str:
 
 
 def main() -> None:
-    header = f"{'case':<58} {'tf.GradientTape':>16} {'AssignAwareTape':>16} {'rewrite':>12}"
+    header = (
+        f"{'case':<58} {'tf.GradientTape':>16} {'AssignAwareTape':>16} "
+        f"{'chain rule':>12} {'rewrite':>12}"
+    )
     print(header)
     print("-" * len(header))
     for case in CASES:
         _, plain = case.program(tf.GradientTape)
         _, aware = case.program(AssignAwareTape)
+        _, by_hand = case.chain_rule()
         _, oracle = case.rewrite()
-        print(f"{case.name:<58} {_fmt(plain):>16} {_fmt(aware):>16} {_fmt(oracle):>12}")
+        print(
+            f"{case.name:<58} {_fmt(plain):>16} {_fmt(aware):>16} "
+            f"{_fmt(by_hand):>12} {_fmt(oracle):>12}"
+        )
 
 
 if __name__ == "__main__":
