@@ -2,10 +2,12 @@
 
 TensorFlow allocates outside Python's allocator, so tracemalloc cannot see it,
 and it keeps no allocator statistics for the CPU; the process's resident set
-shows it. Each peak is taken in a fresh process (``python -m benchmarks.memory
-WORKLOAD ROLE``) on the first step after the workload is built, so that memory
-reused from an earlier step cannot hide it: the resident set before the step is
-subtracted from the peak (VmHWM, reset through /proc/self/clear_refs).
+shows it. Each measurement is taken in a fresh process (``python -m benchmarks.memory
+WORKLOAD ROLE``) on the first step after the workload is built (compiled steps
+are traced while building), so that memory reused from an earlier step cannot
+hide it. The resident set before the step is subtracted from the peak (VmHWM,
+reset through /proc/self/clear_refs) and from the resident set after the step,
+with the step's result still held (retained).
 """
 
 from __future__ import annotations
@@ -20,8 +22,12 @@ from typing import Callable, Dict
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 WORKLOADS = {
-    "2 meta-learning step, hidden 1024, batch 512": ("meta_step", dict(compiled=False, hidden=1024, batch=512)),
-    "4a 100 writes to one 1e5-element variable": ("writes_per_tape", dict(n=100, size=100_000)),
+    f"{name} [{mode}]": (factory, dict(kwargs, compiled=compiled))
+    for name, factory, kwargs in [
+        ("2 meta-learning step, hidden 1024, batch 512", "meta_step", dict(hidden=1024, batch=512)),
+        ("4a 100 writes to one 1e5-element variable", "writes_per_tape", dict(n=100, size=100_000)),
+    ]
+    for mode, compiled in [("eager", False), ("compiled", True)]
 }
 
 
@@ -33,28 +39,40 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def _peak_bytes(step: Callable[[], object]) -> int:
+def _peak_and_retained(step: Callable[[], object]) -> Dict[str, float]:
+    """Peak during the step, and what is still resident after it while its
+    result is kept, both above the resident set before it, in MiB."""
     gc.collect()
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    step()
-    return _status("VmHWM") - before
+    result = step()
+    peak = _status("VmHWM") - before
+    gc.collect()
+    retained = _status("VmRSS") - before
+    del result
+    return {"peak_mib": peak / 2**20, "retained_mib": retained / 2**20}
 
 
-def _in_subprocess(name: str, role: str) -> float:
+def _in_subprocess(name: str, role: str) -> Dict[str, float]:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.memory", name, role],
         check=True, capture_output=True, text=True,
     )
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def measure() -> Dict[str, Dict[str, float]]:
     out: Dict[str, Dict[str, float]] = {}
     for name in WORKLOADS:
         base, cand = _in_subprocess(name, "baseline"), _in_subprocess(name, "assigntape")
-        out[name] = {"baseline peak MiB": base, "assigntape peak MiB": cand, "ratio": cand / base}
+        out[name] = {
+            "baseline peak MiB": base["peak_mib"],
+            "assigntape peak MiB": cand["peak_mib"],
+            "peak ratio": cand["peak_mib"] / base["peak_mib"],
+            "baseline retained MiB": base["retained_mib"],
+            "assigntape retained MiB": cand["retained_mib"],
+        }
     from benchmarks import workloads
 
     step = workloads.writes_per_tape(1)["assigntape"]
@@ -74,4 +92,4 @@ if __name__ == "__main__":
 
     factory, kwargs = WORKLOADS[sys.argv[1]]
     steps = getattr(workloads, factory)(**kwargs)
-    print(json.dumps({"peak_mib": _peak_bytes(steps[sys.argv[2]]) / 2**20}))
+    print(json.dumps(_peak_and_retained(steps[sys.argv[2]])))
