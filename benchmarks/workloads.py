@@ -21,7 +21,7 @@ def _maybe_compile(fn: Step, compiled: bool) -> Step:
     if not compiled:
         return fn
     f = tf.function(fn)
-    f()  # trace before timing
+    f.get_concrete_function()  # trace now, without running a step
     return f
 
 
