@@ -147,19 +147,18 @@ class AssignAwareTape(tf.GradientTape):
                 f"{type(variable).__name__}. Tensors have no versions: pass the "
                 f"tensor itself to gradient()."
             )
+        return self._versions_of(var)
+
+    def _versions_of(self, var: Any) -> Tuple[Any, ...]:
         versions = self._versions.get(var._unique_id)
         if versions is not None:
             return tuple(versions)
         return (self._start.get(var._unique_id, _versions.canonical_handle(var)),)
 
     def _version(self, x: Any, index: int) -> Any:
+        """The version ``index`` of ``x`` if it is a variable, else ``x`` itself."""
         var = _as_tf_variable(x)
-        if var is None:
-            return x
-        versions = self._versions.get(var._unique_id)
-        if versions is not None:
-            return versions[index]
-        return self._start.get(var._unique_id, _versions.canonical_handle(var))
+        return x if var is None else self._versions_of(var)[index]
 
     # -- gradients -------------------------------------------------------------
 
