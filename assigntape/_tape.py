@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 from tensorflow.python.ops import array_ops, resource_variable_ops
@@ -55,7 +56,7 @@ class AssignAwareTape(tf.GradientTape):
 
     >>> a, b, c = tf.Variable(1.0), tf.Variable(2.0), tf.Variable(3.0)
     >>> with AssignAwareTape() as tape:
-    ...     c.assign(a + b)
+    ...     _ = c.assign(a + b)
     ...     loss = c ** 2
     >>> float(tape.gradient(loss, b))
     6.0
@@ -121,6 +122,48 @@ class AssignAwareTape(tf.GradientTape):
             versions.append(new)
         self._owners[id(new)] = var
 
+    @contextlib.contextmanager
+    def restoring(self, variables: Any) -> Iterator[None]:
+        """Writes ``variables`` back, on exit, to the values they had on entry.
+
+        Use it between the tasks of a meta-batch: each task adapts the model's
+        weights in its inner loop, then the next task starts again from the
+        values the weights had when the block began. The write back is itself a
+        tracked write of the saved value, so gradients of later tasks' losses
+        still reach the weights' start-of-tape versions.
+
+        Args:
+          variables: a nested structure of ``tf.Variable`` or Keras 3 variables,
+            such as ``model.trainable_variables``.
+
+        Raises:
+          NotAVariableError: an element of ``variables`` is not a variable.
+
+        Example:
+
+        >>> w = tf.Variable(2.0)
+        >>> with AssignAwareTape() as tape:
+        ...     losses = []
+        ...     for x in (1.0, 3.0):
+        ...         with tape.restoring([w]):
+        ...             _ = w.assign_sub(0.1 * w * x)  # the inner step of one task
+        ...             losses.append(w * x)
+        ...     loss = losses[0] + losses[1]
+        >>> float(w)                                   # both tasks started from 2.0
+        2.0
+        >>> round(float(tape.gradient(loss, w)), 4)    # 0.9 * 1 + 0.7 * 3
+        3.0
+        """
+        tf_vars = [self._require_variable(v, "restoring") for v in nest.flatten(variables)]
+        # Read through the current version, on this tape, so the saved value
+        # carries the gradient back to it.
+        saved = [v.read_value() for v in tf_vars]
+        try:
+            yield
+        finally:
+            for var, value in zip(tf_vars, saved):
+                var.assign(value)
+
     # -- versions --------------------------------------------------------------
 
     def versions(self, variable: Any) -> Tuple[tf.Tensor, ...]:
@@ -140,14 +183,18 @@ class AssignAwareTape(tf.GradientTape):
         Raises:
           NotAVariableError: ``variable`` is not a variable.
         """
+        return self._versions_of(self._require_variable(variable, "versions"))
+
+    @staticmethod
+    def _require_variable(variable: Any, method: str) -> Any:
         var = _as_tf_variable(variable)
         if var is None:
             raise NotAVariableError(
-                f"versions() takes a tf.Variable or a Keras variable, got "
+                f"{method}() takes a tf.Variable or a Keras variable, got "
                 f"{type(variable).__name__}. Tensors have no versions: pass the "
                 f"tensor itself to gradient()."
             )
-        return self._versions_of(var)
+        return var
 
     def _versions_of(self, var: Any) -> Tuple[Any, ...]:
         versions = self._versions.get(var._unique_id)
