@@ -3,6 +3,7 @@
 See ``AssignAwareTape``.
 """
 
+from assigntape import _autograph
 from assigntape._errors import (
     AssignTapeError,
     ControlFlowWriteError,
@@ -10,15 +11,21 @@ from assigntape._errors import (
     NotAVariableError,
     UntrackedWriteError,
 )
+from assigntape._diagnostics import Explanation, History, Reason
 from assigntape._tape import AssignAwareTape
 
 __version__ = "0.1.0"
+
+_autograph.exclude()
 
 __all__ = [
     "AssignAwareTape",
     "AssignTapeError",
     "ControlFlowWriteError",
     "DuplicateIndicesError",
+    "Explanation",
+    "History",
     "NotAVariableError",
+    "Reason",
     "UntrackedWriteError",
 ]

@@ -20,7 +20,10 @@ one wrapper per op sees them all.
 
 from __future__ import annotations
 
+import functools
 import operator
+import os
+import sys
 import threading
 import warnings
 import weakref
@@ -28,6 +31,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import tensorflow as tf
 import wrapt
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, record
 from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
 from tensorflow.python.framework import ops
@@ -128,7 +132,8 @@ def _tracked_write(op_name: str, rule: _rules.OpRule, params: Sequence[str]) -> 
             # what counts is that the old handle is watched when recording.)
             resource_variable_ops.variable_accessed(var)
         record.record_operation(op_name, [new], write.inputs, write.backward)
-        scope.advance(var, old, new, op_name)
+        recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
+        scope.advance(var, old, new, _versions.Write(op_name, recorded=recorded))
         return result
 
     return wrapper
@@ -160,7 +165,7 @@ def _untracked_write(op_name: str, params: Sequence[str]) -> Callable[..., Any]:
         result = wrapped(*args, **kwargs)
         for scope, var in hits:
             old = scope.current_version(var)
-            scope.advance(var, old, _new_version(old, result), op_name, cut=True)
+            scope.advance(var, old, _new_version(old, result), _versions.Write(op_name, cut=True))
         return result
 
     return wrapper
@@ -272,11 +277,50 @@ def _call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs
     result = wrapped(tensor_inputs, captured)
     for var in written:
         old = scope.current_version(var)
-        scope.advance(var, old, _new_version(old, None), name, cut=True)
+        scope.advance(var, old, _new_version(old, None), _versions.Write(f"tf.function {name!r}", cut=True))
     return result
 
 
 _call_flat_wrapper = None
+
+
+def _leave_tensorflow(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``EagerTensor._numpy`` (behind ``.numpy()``, ``float()``, ``np.asarray``).
+
+    A value the tape records that leaves TensorFlow carries no gradient from
+    then on. Note where it left, so that ``explain()`` can name the place.
+    """
+    scope = _versions.eager_scope()
+    if scope is not None and pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop([instance]):
+        where = _caller()
+        for tape in scope.tapes:
+            tape._note_escape(where)
+    return wrapped(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _library_dirs() -> Tuple[str, ...]:
+    import keras
+    import numpy
+
+    dirs = [os.path.dirname(m.__file__ or "") for m in (tf, keras, numpy, wrapt)]
+    dirs.append(os.path.dirname(__file__) + os.sep + "_")  # our private modules
+    # tensorflow's own modules live beside the tf package (tensorflow/python/...).
+    return tuple(d for d in dirs if d)
+
+
+def _caller() -> str:
+    """``file:line`` of the innermost frame outside TensorFlow, Keras and us."""
+    skip = _library_dirs()
+    frame: Any = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+_numpy_wrapper = None
 
 
 class _Wrapper(wrapt.FunctionWrapper):
@@ -337,6 +381,13 @@ def _install() -> None:
         _call_flat_wrapper = _Wrapper(original, _call_function)
     _saved.append((ConcreteFunction, "_call_flat", original))
     setattr(ConcreteFunction, "_call_flat", _call_flat_wrapper)
+    global _numpy_wrapper
+    eager_base = ops._EagerTensorBase
+    original = vars(eager_base)["_numpy"]
+    if _numpy_wrapper is None or _numpy_wrapper.__wrapped__ is not original:
+        _numpy_wrapper = _Wrapper(original, _leave_tensorflow)
+    _saved.append((eager_base, "_numpy", original))
+    setattr(eager_base, "_numpy", _numpy_wrapper)
     for group in _groups:
         vars(group.owner).update(group.wrappers)
 
@@ -379,6 +430,6 @@ def patched_places() -> List[Tuple[Any, str]]:
     if not _groups:
         _build_wrappers()
     base = resource_variable_ops.BaseResourceVariable
-    return [(base, "_handle"), (ConcreteFunction, "_call_flat")] + [
+    return [(base, "_handle"), (ConcreteFunction, "_call_flat"), (ops._EagerTensorBase, "_numpy")] + [
         (group.owner, name) for group in _groups for name in group.names
     ]

@@ -10,7 +10,7 @@ from tensorflow.python.ops import array_ops, resource_variable_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
-from assigntape import _patches, _versions
+from assigntape import _diagnostics, _patches, _versions
 from assigntape._errors import NotAVariableError
 
 __all__ = ["AssignAwareTape"]
@@ -81,6 +81,10 @@ class AssignAwareTape(tf.GradientTape):
         self._versions: Dict[str, List[Any]] = {}
         # id(version handle) -> the tf.Variable it belongs to.
         self._owners: Dict[int, Any] = {}
+        # unique id -> the Write behind each version after the first.
+        self._writes: Dict[str, List[_versions.Write]] = {}
+        # Where recorded values left TensorFlow (file:line), for explain().
+        self._escapes: List[str] = []
 
     # -- context ---------------------------------------------------------------
 
@@ -111,16 +115,29 @@ class AssignAwareTape(tf.GradientTape):
         super().reset()
         self._versions.clear()
         self._owners.clear()
+        self._writes.clear()
+        self._escapes.clear()
         self._start = dict(self._scope.current) if self._scope is not None else {}
 
-    def _note_write(self, var: Any, old: Any, new: Any, op_name: str, cut: bool) -> None:
-        versions = self._versions.get(var._unique_id)
+    def _note_write(self, var: Any, old: Any, new: Any, write: _versions.Write) -> None:
+        if not self._recording:  # inside this tape's stop_recording()
+            write = write._replace(recorded=False)
+        uid = var._unique_id
+        versions = self._versions.get(uid)
         if versions is None:
-            self._versions[var._unique_id] = [old, new]
+            self._versions[uid] = [old, new]
+            self._writes[uid] = [write]
             self._owners[id(old)] = var
         else:
             versions.append(new)
+            self._writes[uid].append(write)
         self._owners[id(new)] = var
+
+    def _note_escape(self, where: str) -> None:
+        self._escapes.append(where)
+
+    def _watched(self, var: Any) -> bool:
+        return any(_as_tf_variable(w) is var for w in self.watched_variables())
 
     @contextlib.contextmanager
     def restoring(self, variables: Any) -> Iterator[None]:
@@ -254,6 +271,70 @@ class AssignAwareTape(tf.GradientTape):
                 for g, raw, mapped in zip(flat_grads, flat_sources, mapped_sources)
             ]
         return nest.pack_sequence_as(sources, flat_grads)
+
+    # -- diagnostics -----------------------------------------------------------
+
+    def explain(self, target: Any, sources: Any) -> _diagnostics.Explanation:
+        """Computes the gradients, and says why any of them is None or zero.
+
+        For each source without a gradient, the report names the variable (or
+        the tensor's place in ``sources``) and gives one reason, with a code in
+        ``Reason``: overwritten before any read that reaches the target; never
+        touched on the tape; only non-differentiable ops or dtypes on the way;
+        the breaking write ran under ``stop_recording``; the breaking write was
+        cut (``untracked_writes="cut"``); a recorded value left TensorFlow
+        (``.numpy()``) at a named line; a tensor that was not watched; or an
+        all-zero gradient (eager only: inside ``tf.function`` the values are
+        not known yet, so only missing gradients are explained).
+
+        It costs one ``gradient`` call, with every version of each variable
+        source as an extra source. On a non-persistent tape, call it instead of
+        ``gradient``: the report holds the gradients.
+
+        Args:
+          target: as for ``gradient``.
+          sources: as for ``gradient``.
+
+        Returns:
+          An ``Explanation``: ``str()`` it to read; ``.gradients`` has the
+          gradients in the structure of ``sources``; ``.reports`` one
+          ``SourceReport`` (name, status, reason, message) per flattened source.
+
+        Example:
+
+        >>> a, c = tf.Variable(1.0), tf.Variable(0.0)
+        >>> with AssignAwareTape() as tape:
+        ...     _ = a.assign(5.0)                # a's start value is lost here
+        ...     loss = a * 2.0 + c
+        >>> report = tape.explain(loss, {"a": a, "c": c})
+        >>> report.reports[0].reason, report.reports[1].status
+        ('overwritten_before_read', 'ok')
+        """
+        return _diagnostics.explain(self, target, sources, _as_tf_variable)
+
+    def history(self) -> _diagnostics.History:
+        """The versions of every variable written on this tape, and their ops.
+
+        Returns:
+          A ``History``: ``str()`` lists, per variable, each version and the op
+          that made it (and whether the write was cut or ran under
+          ``stop_recording``); ``to_dot()`` gives the same as Graphviz DOT;
+          ``.variables`` maps names to ``VersionRecord`` lists, whose
+          ``handle`` is the version to pass to ``gradient``.
+
+        Example:
+
+        >>> w = tf.Variable([1.0, 2.0], name="w")
+        >>> with AssignAwareTape() as tape:
+        ...     _ = w.assign_add([1.0, 1.0])
+        ...     _ = w[0].assign(0.0)
+        >>> print(tape.history())
+        w:0: 3 versions
+          v0: start of tape
+          v1: AssignAddVariableOp
+          v2: ResourceStridedSliceAssign
+        """
+        return _diagnostics.history(self)
 
     def _zeros_for(self, raw: Any, mapped: Any) -> Any:
         # TensorFlow cannot build zeros for a raw resource handle (it has no

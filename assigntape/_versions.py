@@ -18,7 +18,7 @@ every read of every kind goes to the current version.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple
 
 from tensorflow.python.eager import context
 from tensorflow.python.framework import ops, tensor as tensor_lib
@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from assigntape._tape import AssignAwareTape
 
 __all__ = [
+    "Write",
     "Scope",
     "HandleDescriptor",
     "owner",
@@ -37,6 +38,16 @@ __all__ = [
 ]
 
 _tls = threading.local()
+
+
+class Write(NamedTuple):
+    """What made a version: the op, and whether a gradient can flow through it."""
+
+    op: str
+    # The untracked-writes option made it a new version with no gradient path.
+    cut: bool = False
+    # False when the write ran under stop_recording: no tape recorded it.
+    recorded: bool = True
 
 
 class Scope:
@@ -62,12 +73,12 @@ class Scope:
         handle = self.current.get(var._unique_id)
         return canonical_handle(var) if handle is None else handle
 
-    def advance(self, var: Any, old: Any, new: Any, op_name: str, cut: bool = False) -> None:
+    def advance(self, var: Any, old: Any, new: Any, write: Write) -> None:
         """Makes ``new`` the variable's current version, for every open tape."""
         self.current[var._unique_id] = new
         self.owners[id(new)] = var
         for tape in self.tapes:
-            tape._note_write(var, old, new, op_name, cut)
+            tape._note_write(var, old, new, write)
 
     def tracks(self, var: Any) -> bool:
         """Whether the tape has seen this variable (read or written)."""
