@@ -27,14 +27,14 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
 
 import tensorflow as tf
 import wrapt
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, record
 from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
-from tensorflow.python.framework import ops
+from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.ops import (
     array_ops,
     gen_array_ops,
@@ -207,21 +207,62 @@ def _written_inputs(function: Any) -> List[int]:
     """Positions of the function's inputs that ops in its graph write (cached)."""
     cached = _function_writes.get(function)
     if cached is None:
-        graph = function.graph
-        position = {id(t): i for i, t in enumerate(graph.inputs)}
-        cached = sorted(
-            {
-                position[id(inp)]
-                for op in graph.get_operations()
-                if op.type in _rules.RULES or op.type.startswith(_rules.UNDIFFERENTIABLE_PREFIXES)
-                for inp in op.inputs
-                if id(inp) in position
-            }
-        )
-        _function_writes[function] = cached
+        cached = _function_writes[function] = sorted(_graph_writes(function.graph))
     return cached
 
 
+def _writes_anything(op_type: str) -> bool:
+    return op_type in _rules.RULES or op_type.startswith(_rules.UNDIFFERENTIABLE_PREFIXES)
+
+
+def _called_graphs(op: Any, graph: Any) -> List[Any]:
+    """The graphs of the functions an op runs: a call's callee, cond branches,
+    loop bodies (attributes holding a function or a list of them)."""
+    names = []
+    for value in op.node_def.attr.values():
+        if value.HasField("func"):
+            names.append(value.func.name)
+        names += [f.name for f in value.list.func]
+    found = (graph._get_function(name) for name in names)
+    return [f.graph for f in found if f is not None and getattr(f, "graph", None) is not None]
+
+
+def _graph_writes(graph: Any) -> Set[int]:
+    """Positions of ``graph.inputs`` written by its ops, or by the functions
+    they call, however deeply (cached per graph)."""
+    cached = _graph_writes_cache.get(graph)
+    if cached is not None:
+        return cached
+    position = {id(t): i for i, t in enumerate(graph.inputs)}
+    written: Set[int] = set()
+    for op in graph.get_operations():
+        if _writes_anything(op.type):
+            written.update(position[id(t)] for t in op.inputs if id(t) in position)
+            continue
+        callees = _called_graphs(op, graph) if op.type not in _PLAIN_OPS else []
+        if not callees:
+            continue
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall") and len(callees) == 1:
+            # A call passes its inputs to the callee's, one for one.
+            for i in _graph_writes(callees[0]):
+                if i < len(op.inputs) and id(op.inputs[i]) in position:
+                    written.add(position[id(op.inputs[i])])
+        elif any(_graph_writes(g) for g in callees):
+            # Control flow maps inputs to bodies in op-specific ways: count every
+            # resource it is given as written.
+            written.update(
+                position[id(t)] for t in op.inputs if t.dtype == dtypes.resource and id(t) in position
+            )
+    _graph_writes_cache[graph] = written
+    return written
+
+
+# Ops that are common in function graphs and never call functions: skipping them
+# saves parsing their attributes.
+_PLAIN_OPS = frozenset(
+    {"Placeholder", "Const", "Identity", "NoOp", "ReadVariableOp", "MatMul", "Mul", "AddV2", "Sub"}
+)
+_graph_writes_cache: "weakref.WeakKeyDictionary[Any, Set[int]]" = weakref.WeakKeyDictionary()
 _function_writes: "weakref.WeakKeyDictionary[Any, List[int]]" = weakref.WeakKeyDictionary()
 
 

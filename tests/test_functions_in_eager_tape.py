@@ -79,6 +79,76 @@ def test_function_that_writes_a_tracked_variable_is_refused():
     assert float(tape.gradient(loss, a)) == 2.0
 
 
+def _nested_writers(v):
+    """Functions that write ``v`` only through what they call."""
+
+    @tf.function
+    def inner():
+        v.assign_add(tf.ones([2]))
+
+    @tf.function
+    def calls_a_function():
+        inner()
+        return tf.reduce_sum(v)
+
+    @tf.function
+    def calls_it_two_deep():
+        calls_a_function()
+        return tf.constant(0.0)
+
+    @tf.function
+    def writes_in_a_cond(flag):
+        if flag > 0:  # autograph: a tf.cond whose branch writes
+            v.assign_add(tf.ones([2]))
+        return tf.reduce_sum(v)
+
+    @tf.function
+    def writes_in_a_loop(n):
+        for _ in tf.range(n):
+            v.assign_add(tf.ones([2]))
+        return tf.reduce_sum(v)
+
+    return {
+        "calls_a_function": lambda: calls_a_function(),
+        "calls_it_two_deep": lambda: calls_it_two_deep(),
+        "writes_in_a_cond": lambda: writes_in_a_cond(tf.constant(1)),
+        "writes_in_a_loop": lambda: writes_in_a_loop(tf.constant(2)),
+    }
+
+
+@pytest.mark.parametrize("name", ["calls_a_function", "calls_it_two_deep", "writes_in_a_cond", "writes_in_a_loop"])
+def test_writes_nested_in_called_functions_are_refused(name):
+    v, a = tf.Variable([1.0, 2.0], name="nested_write"), tf.Variable(2.0)
+    call = _nested_writers(v)[name]
+    call()  # traced before the tape
+    with AssignAwareTape() as tape:
+        v.assign(a * tf.ones([2]))
+        before = v.numpy()
+        with pytest.raises(UntrackedWriteError, match="nested_write"):
+            call()
+        np.testing.assert_array_equal(v.numpy(), before)  # refused before running
+        loss = tf.reduce_sum(v)
+    assert float(tape.gradient(loss, a)) == 2.0
+
+
+def test_nested_function_that_only_reads_is_not_refused():
+    v, a = tf.Variable([1.0, 2.0]), tf.Variable(2.0)
+
+    @tf.function
+    def inner():
+        return tf.reduce_sum(v * v)
+
+    @tf.function
+    def outer():
+        return inner() + 1.0
+
+    outer()
+    with AssignAwareTape() as tape:
+        v.assign(a * tf.ones([2]))
+        loss = outer()  # reads the current version, through the nested call
+    assert float(tape.gradient(loss, a)) == 8.0  # d (2 a^2) / da = 4 a
+
+
 def test_function_write_cut_by_option():
     v, a = tf.Variable([1.0, 2.0], name="cut_in_fn"), tf.Variable(2.0)
 
