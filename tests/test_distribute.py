@@ -51,3 +51,54 @@ def test_mirrored_strategy_meta_step_matches_single_device():
             # Each replica's write updated its own component of the variable.
             np.testing.assert_allclose(result[mode]["components"][replica], w1, rtol=1e-6)
     assert expected[0][0] != expected[1][0]  # the tasks really differ
+
+
+def _free_ports(n):
+    import socket
+
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def test_multi_worker_mirrored_strategy_on_loopback():
+    """Two worker processes, TF_CONFIG on 127.0.0.1, each running the step on its
+    own task; each worker's meta-gradients equal the single-device step on its
+    task, and the cross-worker mean is the mean of the two."""
+    ports = _free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    workers = []
+    try:
+        for index in range(2):
+            env = dict(base, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
+            workers.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "helpers.multiworker_meta_step"],
+                    cwd=ROOT / "tests", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                )
+            )
+        outputs = [w.communicate(timeout=300) for w in workers]
+    finally:
+        for w in workers:  # bounded: never leave a worker behind
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    expected = [_functional(x) for x in TASKS]
+    for w, (out, err) in zip(workers, outputs):
+        assert w.returncode == 0, err[-3000:]
+        result = json.loads(out.strip().splitlines()[-1])
+        index = result["task_index"]
+        d_lr, d_w, w1 = expected[index]
+        for mode in ("eager", "function"):
+            [(got_lr, got_w)] = result[mode]["grads"]  # one local replica per worker
+            np.testing.assert_allclose(got_lr, d_lr, rtol=1e-5, err_msg=f"{mode} worker {index}")
+            np.testing.assert_allclose(got_w, d_w, rtol=1e-5, err_msg=f"{mode} worker {index}")
+            np.testing.assert_allclose(result[mode]["components"][0], w1, rtol=1e-6)
+            mean = (expected[0][0] + expected[1][0]) / 2
+            np.testing.assert_allclose(result[mode]["mean_d_lr"], mean, rtol=1e-5)

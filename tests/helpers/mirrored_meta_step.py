@@ -1,7 +1,7 @@
 """Run in a fresh process (logical devices must be set before TensorFlow starts):
 a Meta-SGD-style step under MirroredStrategy on two logical CPUs, each replica on
-its own task. Prints one JSON line: per mode, per replica [d/d lr, d/d w0], and
-the value of each replica's component of w after the step."""
+its own task. Prints one JSON line: see ``run_step``, which the multi-worker
+helper runs too."""
 
 from __future__ import annotations
 
@@ -19,10 +19,9 @@ W0 = [1.0, 2.0]
 TASKS = [[0.5, 1.5], [-1.0, 0.25]]  # one per replica
 
 
-def main() -> None:
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+def run_step(strategy: tf.distribute.Strategy) -> dict:
+    """The step, eager and compiled, under ``strategy``: per mode, per replica
+    [d/d lr, d/d w0], and each local replica's component of w after the step."""
     with strategy.scope():
         w = tf.Variable(W0)
         lr = tf.Variable(0.1)
@@ -49,9 +48,17 @@ def main() -> None:
                     strategy.experimental_local_results(d_lr), strategy.experimental_local_results(d_w)
                 )
             ],
-            "components": [[float(v) for v in c.numpy()] for c in w.values],
+            # Across all replicas, on every worker: the mean meta-gradient.
+            "mean_d_lr": float(strategy.reduce(tf.distribute.ReduceOp.MEAN, d_lr, axis=None)),
+            "components": [[float(v) for v in c.numpy()] for c in strategy.experimental_local_results(w)],
         }
-    print(json.dumps(out))
+    return out
+
+
+def main() -> None:
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    print(json.dumps(run_step(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,30 @@
+"""One worker of a two-worker MultiWorkerMirroredStrategy on loopback, running
+the same Meta-SGD-style step as the MirroredStrategy helper, one task per worker.
+
+The test starts two of these with TF_CONFIG naming 127.0.0.1 ports. Each prints
+one JSON line with its local replica's results and the cross-worker mean."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import tensorflow as tf  # noqa: E402
+
+from helpers.mirrored_meta_step import run_step  # noqa: E402
+
+
+def main() -> None:
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    assert strategy.num_replicas_in_sync == 2, strategy.num_replicas_in_sync
+    result = run_step(strategy)
+    result["task_index"] = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    print(json.dumps(result))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
