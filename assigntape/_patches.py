@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
 import tensorflow as tf
 import wrapt
 from tensorflow.python import pywrap_tfe
+from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.eager import context, record
 from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
 from tensorflow.python.framework import dtypes, ops
@@ -364,6 +365,35 @@ def _caller() -> str:
 _numpy_wrapper = None
 
 
+def _distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``StrategyExtendedV2.update``: a cross-replica write of a distributed variable.
+
+    It runs in cross-replica context (for MirroredStrategy, outside the replica
+    threads), so a replica's tape cannot see it: reads after it would credit
+    the version from before. Refuse it when a replica's tape tracks the variable.
+    """
+    var = args[0] if args else kwargs.get("var")
+    components = list(getattr(var, "values", None) or (var,))
+    if _differentiable(var) and _versions.tracked_elsewhere(components):
+        aggregation = getattr(var, "aggregation", None)
+        raise UntrackedWriteError(
+            f"A cross-replica update of variable {var.name!r} (aggregation "
+            f"{getattr(aggregation, 'name', aggregation)}), which an AssignAwareTape in a "
+            "replica is tracking: it is applied outside the replica's sight (merge_call), "
+            "so reads after it would credit the version from before, a silently wrong "
+            "gradient. Such updates come from writes in replica context to a "
+            "MirroredVariable whose aggregation is not NONE, and from optimizer steps "
+            "(apply_gradients) in replica context. Inside the tape, write per replica "
+            "instead: aggregation=NONE (each replica writes its own component) or "
+            "synchronization=ON_READ, with assign / assign_sub; aggregate the "
+            "meta-gradients after the tape."
+        )
+    return wrapped(*args, **kwargs)
+
+
+_update_wrapper = None
+
+
 class _Wrapper(wrapt.FunctionWrapper):
     # AutoGraph warns about every wrapt-wrapped callee it meets while converting
     # a tf.function (user code calling tf.raw_ops directly), unless the callee
@@ -422,6 +452,13 @@ def _install() -> None:
         _call_flat_wrapper = _Wrapper(original, _call_function)
     _saved.append((ConcreteFunction, "_call_flat", original))
     setattr(ConcreteFunction, "_call_flat", _call_flat_wrapper)
+    global _update_wrapper
+    extended = distribute_lib.StrategyExtendedV2
+    original = vars(extended)["update"]
+    if _update_wrapper is None or _update_wrapper.__wrapped__ is not original:
+        _update_wrapper = _Wrapper(original, _distributed_update)
+    _saved.append((extended, "update", original))
+    setattr(extended, "update", _update_wrapper)
     global _numpy_wrapper
     eager_base = ops._EagerTensorBase
     original = vars(eager_base)["_numpy"]
@@ -471,6 +508,11 @@ def patched_places() -> List[Tuple[Any, str]]:
     if not _groups:
         _build_wrappers()
     base = resource_variable_ops.BaseResourceVariable
-    return [(base, "_handle"), (ConcreteFunction, "_call_flat"), (ops._EagerTensorBase, "_numpy")] + [
+    return [
+        (base, "_handle"),
+        (ConcreteFunction, "_call_flat"),
+        (ops._EagerTensorBase, "_numpy"),
+        (distribute_lib.StrategyExtendedV2, "update"),
+    ] + [
         (group.owner, name) for group in _groups for name in group.names
     ]

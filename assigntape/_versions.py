@@ -34,10 +34,15 @@ __all__ = [
     "check_writable_here",
     "open_scope",
     "close_scope",
+    "tracked_elsewhere",
     "canonical_handle",
 ]
 
 _tls = threading.local()
+# Every open scope of every thread, for the one question asked across threads:
+# is a variable tracked by a tape in another thread (see ``tracked_elsewhere``)?
+_all_scopes: List["Scope"] = []
+_all_lock = threading.Lock()
 
 
 class Write(NamedTuple):
@@ -53,10 +58,11 @@ class Write(NamedTuple):
 class Scope:
     """The versions of one thread in one graph (``None`` for eager execution)."""
 
-    __slots__ = ("key", "current", "owners", "tapes")
+    __slots__ = ("key", "thread", "current", "owners", "tapes")
 
     def __init__(self, key: Any) -> None:
         self.key = key
+        self.thread = threading.get_ident()
         # The variable's ``_unique_id`` -> its current version's handle. Keying by
         # the unique id rather than the object makes the ``_UnreadVariable`` that
         # ``assign()`` returns (a separate object on the same resource) see the
@@ -106,6 +112,8 @@ def open_scope(tape: "AssignAwareTape") -> Scope:
     scope = scopes.get(key)
     if scope is None:
         scope = scopes[key] = Scope(key)
+        with _all_lock:
+            _all_scopes.append(scope)
     scope.tapes.append(tape)
     return scope
 
@@ -117,6 +125,21 @@ def close_scope(scope: Scope, tape: "AssignAwareTape") -> None:
         scope.current.clear()
         scope.owners.clear()
         _scopes().pop(scope.key, None)
+        with _all_lock:
+            _all_scopes.remove(scope)
+
+
+def tracked_elsewhere(variables: Any) -> bool:
+    """Whether a tape open in another thread tracks any of ``variables``.
+
+    MirroredStrategy runs each replica in a thread of its own, and a
+    cross-replica update (inside ``merge_call``) in yet another, where the
+    replicas' versions are not visible.
+    """
+    me = threading.get_ident()
+    with _all_lock:
+        others = [scope for scope in _all_scopes if scope.thread != me]
+    return any(scope.tracks(v) for scope in others for v in variables)
 
 
 def _enclosing_scope(scopes: Dict[Any, Scope]) -> Optional[Scope]:

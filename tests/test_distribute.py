@@ -102,3 +102,30 @@ def test_multi_worker_mirrored_strategy_on_loopback():
             np.testing.assert_allclose(result[mode]["components"][0], w1, rtol=1e-6)
             mean = (expected[0][0] + expected[1][0]) / 2
             np.testing.assert_allclose(result[mode]["mean_d_lr"], mean, rtol=1e-5)
+
+
+def test_mirrored_variable_kinds_and_aggregations():
+    """Per-replica writes (ON_WRITE with aggregation NONE, and ON_READ with any
+    aggregation) give each replica its single-device meta-gradients. Writes that
+    become cross-replica updates (ON_WRITE with SUM / MEAN / ONLY_FIRST_REPLICA,
+    a Keras optimizer step in replica context) are refused, never wrong."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "helpers.mirrored_aggregations"],
+        cwd=ROOT / "tests", env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    expected = [_functional(x) for x in TASKS]
+    works = ["ON_WRITE/NONE"] + [f"ON_READ/{a}" for a in ("NONE", "SUM", "MEAN", "ONLY_FIRST_REPLICA")]
+    for case in works:
+        assert "result" in out[case], (case, out[case])
+        for mode in ("eager", "function"):
+            for replica, (d_lr, d_w, _) in enumerate(expected):
+                got_lr, got_w = out[case]["result"][mode]["grads"][replica]
+                np.testing.assert_allclose(got_lr, d_lr, rtol=1e-5, err_msg=f"{case} {mode} {replica}")
+                np.testing.assert_allclose(got_w, d_w, rtol=1e-5, err_msg=f"{case} {mode} {replica}")
+    refused = [f"ON_WRITE/{a}" for a in ("SUM", "MEAN", "ONLY_FIRST_REPLICA")] + ["keras_optimizer_in_replica_context"]
+    for case in refused:
+        assert out[case].get("error") == "UntrackedWriteError", (case, out[case])
+        assert "cross-replica update" in out[case]["message"] and "aggregation=NONE" in out[case]["message"]

@@ -19,16 +19,19 @@ W0 = [1.0, 2.0]
 TASKS = [[0.5, 1.5], [-1.0, 0.25]]  # one per replica
 
 
-def run_step(strategy: tf.distribute.Strategy) -> dict:
+def run_step(strategy: tf.distribute.Strategy, **w_kwargs) -> dict:
     """The step, eager and compiled, under ``strategy``: per mode, per replica
-    [d/d lr, d/d w0], and each local replica's component of w after the step."""
+    [d/d lr, d/d w0], and each local replica's component of w after the step.
+    ``w_kwargs`` (synchronization, aggregation) go to w's constructor."""
     with strategy.scope():
-        w = tf.Variable(W0)
+        w = tf.Variable(W0, **w_kwargs)
         lr = tf.Variable(0.1)
 
     def step(x):
         with AssignAwareTape() as outer:
+            outer.watch(w)  # an ON_READ variable is not trainable, so not watched on read
             with tf.GradientTape() as inner:
+                inner.watch(w)
                 inner_loss = tf.reduce_sum((w * x) ** 2)
             w.assign_sub(lr * inner.gradient(inner_loss, w))
             outer_loss = tf.reduce_sum((w * x - 1.0) ** 2)
@@ -39,7 +42,8 @@ def run_step(strategy: tf.distribute.Strategy) -> dict:
     )
     out = {}
     for mode, fn in [("eager", step), ("function", tf.function(step))]:
-        w.assign(W0)  # every replica starts from the same weights
+        for component in strategy.experimental_local_results(w):
+            component.assign(W0)  # every replica starts from the same weights
         d_lr, d_w = strategy.run(fn, args=(xs,))
         out[mode] = {
             "grads": [
