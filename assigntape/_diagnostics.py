@@ -1,8 +1,9 @@
 """Diagnostics: why a gradient is missing (``explain``) and what wrote what (``history``).
 
 Both read what the tape already keeps: the versions of each variable and the
-``Write`` that made each one. ``explain`` asks for the gradient with respect to
-*every* version of every variable source in one backward pass; where the chain
+``WriteRecord`` of the write that made each one. ``explain`` asks for the
+gradient with respect to *every* version of every variable source in one
+backward pass; where the chain
 of versions breaks tells which write, and of what kind, cut the start-of-tape
 value off from the target.
 """
@@ -17,7 +18,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
-from assigntape._versions import Write
+from assigntape._versions import WriteRecord
 
 if TYPE_CHECKING:  # pragma: no cover
     from assigntape._tape import AssignAwareTape
@@ -84,7 +85,7 @@ class Explanation:
 class VersionRecord(NamedTuple):
     """One version of a variable in ``History``."""
 
-    index: int
+    number: int  # 0 for the start of the tape, then one more per write
     op: Optional[str]  # the op that made it; None for the start-of-tape version
     cut: bool  # made by a cut write: no gradient flows through it
     recorded: bool  # False when made under stop_recording
@@ -120,7 +121,7 @@ class History:
         lines = []
         for name, records in self.variables.items():
             lines.append(f"{name}: {len(records)} versions")
-            lines += [f"  v{r.index}: {r.describe()}" for r in records]
+            lines += [f"  v{r.number}: {r.describe()}" for r in records]
         return "\n".join(lines)
 
     def to_dot(self) -> str:
@@ -132,10 +133,10 @@ class History:
             lines.append(f"  subgraph cluster_{n} {{")
             lines.append(f"    label={_dot_quote(name)};")
             for r in records:
-                lines.append(f"    v{n}_{r.index} [label={_dot_quote(f'{name} v{r.index}')}];")
+                lines.append(f"    v{n}_{r.number} [label={_dot_quote(f'{name} v{r.number}')}];")
             for prev, r in zip(records, records[1:]):
                 style = "" if r.recorded and not r.cut else ", style=dashed"
-                lines.append(f"    v{n}_{prev.index} -> v{n}_{r.index} [label={_dot_quote(r.describe())}{style}];")
+                lines.append(f"    v{n}_{prev.number} -> v{n}_{r.number} [label={_dot_quote(r.describe())}{style}];")
             lines.append("  }")
         lines.append("}")
         return "\n".join(lines)
@@ -158,7 +159,7 @@ def history(tape: "AssignAwareTape") -> History:
     variables: Dict[str, List[VersionRecord]] = {}
     for uid, versions in tape._versions.items():
         var = tape._owners[id(versions[0])]
-        writes: List[Optional[Write]] = [None, *tape._writes[uid]]
+        writes: List[Optional[WriteRecord]] = [None, *tape._writes[uid]]
         name = var.name
         if name in variables:  # Keras layers' variables share short names
             name = f"{name} ({uid})"
@@ -256,7 +257,7 @@ def _explain_variable(tape: "AssignAwareTape", name: str, var: Any, per_version:
             f"its dtype is {var.dtype.name}, which carries no gradient. Make it a "
             "floating-point variable, or cast a float value where it is used.",
         )
-    writes: List[Write] = tape._writes.get(var._unique_id, [])
+    writes: List[WriteRecord] = tape._writes.get(var._unique_id, [])
     # The first later version the target does depend on: the write that made it
     # is where the start-of-tape value was cut off.
     reached = next((k for k in range(1, len(per_version)) if per_version[k] is not None), None)

@@ -29,11 +29,14 @@ class NotAVariableError(AssignTapeError, TypeError):
 
 
 class ControlFlowWriteError(AssignTapeError, NotImplementedError):
-    """A tracked variable was written inside a graph control-flow body.
+    """A tracked variable was written inside a graph control-flow body the tape
+    cannot differentiate through.
 
-    A version handle made inside a ``tf.cond`` branch or a ``tf.while_loop`` body
-    cannot leave that body unless it is loop state, so the tape cannot carry the
-    new version to later reads.
+    A version handle made inside a ``tf.while_loop`` body cannot leave that body
+    unless it is loop state, so the tape cannot carry the new version to later
+    reads. In ``tf.cond`` branches, ``assign`` / ``assign_add`` / ``assign_sub``
+    are differentiated; other writes there, and writes in a cond nested in a
+    branch, raise this error.
     """
 
 

@@ -38,15 +38,18 @@ from tensorflow.python.eager.polymorphic_function.concrete_function import Concr
 from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.ops import (
     array_ops,
+    cond_v2,
     gen_array_ops,
     gen_resource_variable_ops,
     gen_state_ops,
     gen_training_ops,
+    handle_data_util,
+    math_ops,
     resource_variable_ops,
 )
 
 from assigntape import _rules, _versions
-from assigntape._errors import UntrackedWriteError
+from assigntape._errors import ControlFlowWriteError, UntrackedWriteError
 
 __all__ = ["acquire", "release", "installed"]
 
@@ -113,9 +116,11 @@ def _tracked_write(op_name: str, rule: _rules.OpRule, params: Sequence[str]) -> 
         if found is None or not _differentiable(found[1]):
             return wrapped(*args, **kwargs)
         scope, var = found
-        _versions.check_writable_here(scope, var, op_name)
+        branch = _versions.check_writable_here(scope, var, op_name)
         for name in rule.value_args:
             arguments[name] = ops.convert_to_tensor(arguments[name], dtype=var.dtype)
+        if branch is not None:
+            return _branch_write(op_name, wrapped, arguments, branch, var)
         old = scope.current_version(var)
         write = rule.prepare(var, old, arguments)
         # The real write. If it raises (bad shape or dtype, duplicate indices),
@@ -134,10 +139,144 @@ def _tracked_write(op_name: str, rule: _rules.OpRule, params: Sequence[str]) -> 
             resource_variable_ops.variable_accessed(var)
         record.record_operation(op_name, [new], write.inputs, write.backward)
         recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
-        scope.advance(var, old, new, _versions.Write(op_name, recorded=recorded))
+        scope.advance(var, old, new, _versions.WriteRecord(op_name, recorded=recorded))
         return result
 
     return wrapper
+
+
+_BRANCH_VERSION_GRAD = "AssigntapeBranchVersion"
+
+
+@ops.RegisterGradient(_BRANCH_VERSION_GRAD)
+def _branch_version_grad(op: Any, grad_handle: Any, grad_value: Any) -> List[Any]:
+    """A branch version's handle is the value written: reads of it send their
+    gradient (which arrives at the handle) to that value."""
+    grads = [ops.convert_to_tensor(g) for g in (grad_handle, grad_value) if g is not None]
+    return [None, math_ops.add_n(grads) if grads else None]
+
+
+def _branch_write(op_name: str, wrapped: Callable[..., Any], arguments: Dict[str, Any], branch: Any, var: Any) -> Any:
+    """A write inside a ``tf.cond`` branch of the tape's graph.
+
+    The real write runs. Beside it, the variable's new value is built from plain
+    ops (the functional rewrite, reading the previous version), and a branch
+    version handle is made whose symbolic gradient goes to that value, so reads
+    later in the branch differentiate correctly. The cond returns the value as
+    an extra output; ``_cond`` makes the tape's version from it.
+    """
+    value_of = _rules.BRANCH_VALUES.get(op_name)
+    if value_of is None:
+        raise ControlFlowWriteError(
+            f"{op_name} to variable {var.name!r} inside a tf.cond branch, while an "
+            "AssignAwareTape is open around it: in cond branches the tape "
+            "differentiates assign, assign_add and assign_sub only. Write the whole "
+            "value (v.assign(tf.tensor_scatter_nd_update(v, ...))), or choose the "
+            "branch in Python."
+        )
+    uid = var._unique_id
+    old = branch.versions.get(uid)
+    if old is None:
+        old = branch.scope.current_version(var)
+    old_value = gen_resource_variable_ops.read_variable_op(old, var.dtype)
+    value = value_of(old_value, arguments)
+    with ops.control_dependencies([old_value.op]):
+        result = wrapped(**arguments)
+    with ops.control_dependencies([result]), ops.get_default_graph().gradient_override_map(
+        {"IdentityN": _BRANCH_VERSION_GRAD}
+    ):
+        handle = array_ops.identity_n([old, value])[0]
+    handle_data_util.copy_handle_data(old, handle)
+    branch.versions[uid] = handle
+    branch.values[uid] = (var, value)
+    branch.scope.owners[id(handle)] = var
+    return result
+
+
+def _cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``cond_v2.cond_v2`` (``tf.cond``, autograph ``if``) in the graph of a tape.
+
+    Each branch also returns the values of the variables it wrote (``Branch``);
+    ``_build_cond`` makes both branches return the same set, the other branch
+    returning its unchanged value. After the cond, each written variable gets
+    a new version whose gradient flows into the cond's output, and from there,
+    by the cond's own gradient, into whichever branch ran.
+    """
+    scope = _versions.graph_scope()
+    if scope is None:
+        return wrapped(*args, **kwargs)
+    arguments = _bind(("pred", "true_fn", "false_fn", "name"), args, kwargs)
+    branches: List[Any] = []
+
+    def traced(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def branch_fn() -> Any:
+            branch = _versions.open_branch(scope)
+            branches.append(branch)
+            try:
+                out = fn()
+            finally:
+                _versions.close_branch(branch)
+            return out, {uid: value for uid, (_, value) in branch.values.items()}
+
+        return branch_fn
+
+    arguments["true_fn"] = traced(arguments["true_fn"])
+    arguments["false_fn"] = traced(arguments["false_fn"])
+    _pending_conds.append(branches)
+    try:
+        out, values = wrapped(**arguments)
+    finally:
+        _pending_conds.remove(branches)
+    written = {uid: var for b in branches for uid, (var, _) in b.values.items()}
+    for uid in sorted(values):
+        var = written[uid]
+        old = scope.current_version(var)
+        new = _new_version(old, values[uid])
+        record.record_operation("If", [new], [values[uid]], lambda g: [g])
+        scope.advance(var, old, new, _versions.WriteRecord("tf.cond"))
+    return out
+
+
+_pending_conds: List[List[Any]] = []
+
+
+def _build_cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``cond_v2._build_cond``, for a cond ``_cond`` traced: give both branches
+    the same extra outputs, the union of the variables either one wrote."""
+    params = _BUILD_COND_PARAMS or _build_cond_params(wrapped)
+    arguments = _bind(params, args, kwargs)
+    graphs = {id(arguments["true_graph"]), id(arguments["false_graph"])}
+    branches = next((b for b in _pending_conds if {id(x.graph) for x in b} == graphs), None)
+    if branches is None or arguments.get("building_gradient"):
+        return wrapped(*args, **kwargs)
+    written = {uid: var for b in branches for uid, (var, _) in b.values.items()}
+    for branch in branches:
+        graph = branch.graph
+        out, values = graph.structured_outputs
+        base = graph.outputs[: len(graph.outputs) - len(values)]
+        values = dict(values)
+        with graph.as_default():
+            for uid in written.keys() - values.keys():
+                # This branch leaves the variable as it was: its value, read here.
+                var = written[uid]
+                values[uid] = gen_resource_variable_ops.read_variable_op(
+                    branch.scope.current_version(var), var.dtype
+                )
+        graph.structured_outputs = (out, values)
+        graph.outputs[:] = base + [values[uid] for uid in sorted(values)]
+    true_graph, false_graph = arguments["true_graph"], arguments["false_graph"]
+    arguments["true_inputs"] = true_graph.external_captures
+    arguments["false_inputs"] = false_graph.external_captures
+    return wrapped(**arguments)
+
+
+_BUILD_COND_PARAMS: List[str] = []
+
+
+def _build_cond_params(function: Any) -> List[str]:
+    code = function.__code__
+    _BUILD_COND_PARAMS[:] = code.co_varnames[: code.co_argcount]
+    return _BUILD_COND_PARAMS
 
 
 def _untracked_write(op_name: str, params: Sequence[str]) -> Callable[..., Any]:
@@ -166,7 +305,7 @@ def _untracked_write(op_name: str, params: Sequence[str]) -> Callable[..., Any]:
         result = wrapped(*args, **kwargs)
         for scope, var in hits:
             old = scope.current_version(var)
-            scope.advance(var, old, _new_version(old, result), _versions.Write(op_name, cut=True))
+            scope.advance(var, old, _new_version(old, result), _versions.WriteRecord(op_name, cut=True))
         return result
 
     return wrapper
@@ -319,7 +458,7 @@ def _call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs
     result = wrapped(tensor_inputs, captured)
     for var in written:
         old = scope.current_version(var)
-        scope.advance(var, old, _new_version(old, None), _versions.Write(f"tf.function {name!r}", cut=True))
+        scope.advance(var, old, _new_version(old, None), _versions.WriteRecord(f"tf.function {name!r}", cut=True))
     return result
 
 
@@ -392,6 +531,7 @@ def _distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, k
 
 
 _update_wrapper = None
+_cond_wrappers = None
 
 
 class _Wrapper(wrapt.FunctionWrapper):
@@ -452,6 +592,13 @@ def _install() -> None:
         _call_flat_wrapper = _Wrapper(original, _call_function)
     _saved.append((ConcreteFunction, "_call_flat", original))
     setattr(ConcreteFunction, "_call_flat", _call_flat_wrapper)
+    global _cond_wrappers
+    originals = (vars(cond_v2)["cond_v2"], vars(cond_v2)["_build_cond"])
+    if _cond_wrappers is None or tuple(w.__wrapped__ for w in _cond_wrappers) != originals:
+        _cond_wrappers = (_Wrapper(originals[0], _cond), _Wrapper(originals[1], _build_cond))
+    for name, original, wrapper in zip(("cond_v2", "_build_cond"), originals, _cond_wrappers):
+        _saved.append((cond_v2, name, original))
+        setattr(cond_v2, name, wrapper)
     global _update_wrapper
     extended = distribute_lib.StrategyExtendedV2
     original = vars(extended)["update"]
@@ -513,6 +660,8 @@ def patched_places() -> List[Tuple[Any, str]]:
         (ConcreteFunction, "_call_flat"),
         (ops._EagerTensorBase, "_numpy"),
         (distribute_lib.StrategyExtendedV2, "update"),
+        (cond_v2, "cond_v2"),
+        (cond_v2, "_build_cond"),
     ] + [
         (group.owner, name) for group in _groups for name in group.names
     ]

@@ -30,7 +30,7 @@ from tensorflow.python.ops import (
 
 from assigntape._errors import DuplicateIndicesError
 
-__all__ = ["Write", "OpRule", "RULES", "UNDIFFERENTIABLE_PREFIXES"]
+__all__ = ["Write", "OpRule", "RULES", "BRANCH_VALUES", "UNDIFFERENTIABLE_PREFIXES"]
 
 
 class Write(NamedTuple):
@@ -199,6 +199,15 @@ for _combine in ("update", "add", "sub", "mul", "div", "min", "max"):
     RULES["ResourceScatter" + _combine.capitalize()] = OpRule("resource", _U, _scatter(_combine, False))
 for _combine in ("update", "add", "sub", "min", "max"):
     RULES["ResourceScatterNd" + _combine.capitalize()] = OpRule("ref", _U, _scatter(_combine, True))
+
+# Inside a tf.cond branch, a write is replayed as the variable's whole new value,
+# from plain ops, which the cond's symbolic gradient can differentiate: the
+# functional rewrite itself. Writes without an entry are refused in branches.
+BRANCH_VALUES: Dict[str, Callable[[Any, Dict[str, Any]], Any]] = {
+    "AssignVariableOp": lambda old, args: args["value"],
+    "AssignAddVariableOp": lambda old, args: old + args["value"],
+    "AssignSubVariableOp": lambda old, args: old - args["value"],
+}
 
 # Ops that write variables and that the tape does not differentiate: the fused
 # optimizer kernels of legacy Keras 2 (tf_keras) and tf.compat.v1 optimizers.

@@ -82,7 +82,7 @@ class AssignAwareTape(tf.GradientTape):
         # id(version handle) -> the tf.Variable it belongs to.
         self._owners: Dict[int, Any] = {}
         # unique id -> the Write behind each version after the first.
-        self._writes: Dict[str, List[_versions.Write]] = {}
+        self._writes: Dict[str, List[_versions.WriteRecord]] = {}
         # Where recorded values left TensorFlow (file:line), for explain().
         self._escapes: List[str] = []
 
@@ -119,7 +119,7 @@ class AssignAwareTape(tf.GradientTape):
         self._escapes.clear()
         self._start = dict(self._scope.current) if self._scope is not None else {}
 
-    def _note_write(self, var: Any, old: Any, new: Any, write: _versions.Write) -> None:
+    def _note_write(self, var: Any, old: Any, new: Any, write: _versions.WriteRecord) -> None:
         if not self._recording:  # inside this tape's stop_recording()
             write = write._replace(recorded=False)
         uid = var._unique_id

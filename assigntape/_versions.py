@@ -27,11 +27,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from assigntape._tape import AssignAwareTape
 
 __all__ = [
-    "Write",
+    "WriteRecord",
     "Scope",
     "HandleDescriptor",
     "owner",
     "check_writable_here",
+    "Branch",
+    "open_branch",
+    "close_branch",
+    "graph_scope",
     "open_scope",
     "close_scope",
     "tracked_elsewhere",
@@ -45,7 +49,7 @@ _all_scopes: List["Scope"] = []
 _all_lock = threading.Lock()
 
 
-class Write(NamedTuple):
+class WriteRecord(NamedTuple):
     """What made a version: the op, and whether a gradient can flow through it."""
 
     op: str
@@ -79,7 +83,7 @@ class Scope:
         handle = self.current.get(var._unique_id)
         return canonical_handle(var) if handle is None else handle
 
-    def advance(self, var: Any, old: Any, new: Any, write: Write) -> None:
+    def advance(self, var: Any, old: Any, new: Any, write: "WriteRecord") -> None:
         """Makes ``new`` the variable's current version, for every open tape."""
         self.current[var._unique_id] = new
         self.owners[id(new)] = var
@@ -178,18 +182,69 @@ def eager_scope() -> Optional[Scope]:
     return scopes.get(None)
 
 
-def check_writable_here(scope: Scope, var: Any, op_name: str) -> None:
-    """Refuses a write in a control-flow body nested in the tape's graph."""
-    if scope.key is not current_key():
-        from assigntape._errors import ControlFlowWriteError
+class Branch:
+    """A ``tf.cond`` branch being traced in the graph of an open tape.
 
-        raise ControlFlowWriteError(
-            f"{op_name} to variable {var.name!r} inside a graph control-flow body "
-            "(tf.cond, tf.while_loop, or an autograph loop over a tensor) while an "
-            "AssignAwareTape is open around it: the new version cannot leave that "
-            "body. Unroll the loop in Python (for _ in range(n)), choose the branch "
-            "in Python, or open the tape inside the body."
-        )
+    Writes in the branch cannot make versions in the tape's graph directly (a
+    tensor made in the branch cannot leave it), so the branch keeps its own:
+    ``versions`` maps a variable to its latest handle inside the branch, and
+    ``values`` to its full value after the branch's writes, written as plain
+    ops so that the cond's own gradient can differentiate it. The cond returns
+    those values as extra outputs, and the tape's graph makes the versions.
+    """
+
+    __slots__ = ("scope", "graph", "versions", "values")
+
+    def __init__(self, scope: Scope, graph: Any) -> None:
+        self.scope = scope
+        self.graph = graph
+        self.versions: Dict[str, Any] = {}  # unique id -> handle inside the branch
+        self.values: Dict[str, Tuple[Any, Any]] = {}  # unique id -> (variable, value)
+
+
+def open_branch(scope: Scope) -> Branch:
+    """Registers the graph being traced now as a cond branch of ``scope``."""
+    branches = getattr(_tls, "branches", None)
+    if branches is None:
+        branches = _tls.branches = {}
+    graph = ops.get_default_graph()
+    branch = branches[graph] = Branch(scope, graph)
+    return branch
+
+
+def close_branch(branch: Branch) -> None:
+    _tls.branches.pop(branch.graph, None)
+
+
+def graph_scope() -> Optional[Scope]:
+    """The scope of a tape open in the very graph being built (not an outer one)."""
+    scopes = getattr(_tls, "scopes", None)
+    if not scopes or context.executing_eagerly():
+        return None
+    return scopes.get(ops.get_default_graph())
+
+
+def _current_branch() -> Optional[Branch]:
+    branches = getattr(_tls, "branches", None)
+    return branches.get(ops.get_default_graph()) if branches else None
+
+
+def check_writable_here(scope: Scope, var: Any, op_name: str) -> Optional[Branch]:
+    """Where a write goes: the tape's own graph (None), a cond branch of it (the
+    ``Branch``), or a control-flow body it cannot leave (refused)."""
+    if scope.key is current_key():
+        return None
+    branch = _current_branch()
+    if branch is not None and branch.scope is scope:
+        return branch
+    from assigntape._errors import ControlFlowWriteError
+
+    raise ControlFlowWriteError(
+        f"{op_name} to variable {var.name!r} inside a graph loop body (tf.while_loop, "
+        "or an autograph loop over a tensor) or a nested tf.cond, while an "
+        "AssignAwareTape is open around it: the new version cannot leave that body. "
+        "Unroll the loop in Python (for _ in range(n)), or open the tape inside the body."
+    )
 
 
 class HandleDescriptor:
@@ -204,6 +259,12 @@ class HandleDescriptor:
             scope = _enclosing_scope(scopes)
             if scope is not None:
                 handle = scope.current.get(d.get("_unique_id"))
+                branches = getattr(_tls, "branches", None)
+                if branches:
+                    # Inside a cond branch that wrote the variable: its branch version.
+                    branch = branches.get(ops.get_default_graph())
+                    if branch is not None:
+                        handle = branch.versions.get(d.get("_unique_id"), handle)
                 if handle is None:
                     handle = d.get("_handle")
                     if handle is None:

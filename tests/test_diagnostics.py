@@ -251,7 +251,7 @@ def test_history_lists_versions_and_ops(mode):
         "ResourceStridedSliceAssign",
         "ResourceScatterAdd",
     ]
-    assert [r.index for r in records] == [0, 1, 2, 3]
+    assert [r.number for r in records] == [0, 1, 2, 3]
     assert history.variables["u:0"][1].recorded is False
     # The handle of version 1 is a real version: the slice write zeroed w[1].
     np.testing.assert_array_equal(np.asarray(grad), [1.0, 0.0, 1.0])

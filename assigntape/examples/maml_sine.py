@@ -338,6 +338,7 @@ def _plot(results: Dict[str, Any], held_out: Tuple[np.ndarray, ...], config: Con
         fit.plot(grid[0, :, 0], _forward(adapted, grid).numpy()[0, :, 0], "--", label=f"{name}, 1 step")
     fit.legend(fontsize=8)
     fit.set_title("One held-out task, after one step")
+    assert config.plot is not None
     return _report.save(fig, config.plot)
 
 

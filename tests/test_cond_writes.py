@@ -1,0 +1,199 @@
+"""Writes inside ``tf.cond`` branches (and autograph ``if`` on a tensor), with the
+tape opened in the ``tf.function``: the same gradients as the eager program (whose
+``if`` is Python) and as the functional rewrite, for whichever branch runs.
+
+In a graph, a source read only by the branch that did not run gets zeros rather
+than None (as with TensorFlow's own ``tf.cond``), so the comparisons fill
+unconnected gradients with zeros on both sides."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from assigntape import AssignAwareTape, ControlFlowWriteError
+from oracle import assert_grads_close
+
+ZERO = tf.UnconnectedGradients.ZERO
+
+
+def _both(body, *args):
+    """body(*args) eagerly, and traced, for tensors ``args``."""
+    eager = body(*args)
+    compiled = tf.function(body)(*args)
+    return eager, compiled
+
+
+def _program_and_rewrite():
+    v, a, b = tf.Variable(1.0), tf.Variable(2.0), tf.Variable(5.0)
+
+    def program(n):
+        for var, value in ((v, 1.0), (a, 2.0), (b, 5.0)):
+            var.assign(value)
+        with AssignAwareTape() as tape:
+            v.assign_add(a)  # a version made before the cond
+            if n > 1:
+                v.assign(v * a)
+                y0 = v * 3.0  # a read after the write, in the branch
+                v.assign_add(b * a)
+            else:
+                y0 = v * 1.0
+                b.assign_sub(a)
+            y = v * v + y0 + b * 10.0
+        return tape.gradient(y, [v, a, b], unconnected_gradients=ZERO)
+
+    def rewrite(n):
+        v, a, b = tf.constant(1.0), tf.constant(2.0), tf.constant(5.0)
+        with tf.GradientTape() as tape:
+            tape.watch([v, a, b])
+            v1 = v + a
+            if int(n) > 1:
+                v2 = v1 * a
+                y0 = v2 * 3.0
+                v3, b1 = v2 + b * a, b
+            else:
+                y0, v3, b1 = v1 * 1.0, v1, b - a
+            y = v3 * v3 + y0 + b1 * 10.0
+        return tape.gradient(y, [v, a, b], unconnected_gradients=ZERO)
+
+    return program, rewrite
+
+
+@pytest.mark.parametrize("n", [0, 2], ids=["false_branch", "true_branch"])
+def test_cond_writes_match_eager_and_rewrite(n):
+    program, rewrite = _program_and_rewrite()
+    eager, compiled = _both(program, tf.constant(n))
+    expected = rewrite(n)
+    assert_grads_close(eager, expected)
+    assert_grads_close(compiled, expected)
+
+
+def test_the_same_trace_serves_both_branches():
+    program, rewrite = _program_and_rewrite()
+    f = tf.function(program)
+    for n in (2, 0, 2):  # one trace, both branches taken at run time
+        assert_grads_close(f(tf.constant(n)), rewrite(n))
+    assert f.experimental_get_tracing_count() == 1
+
+
+def test_explicit_tf_cond_with_outputs_and_one_writing_branch():
+    v, a = tf.Variable([1.0, 2.0]), tf.Variable(3.0)
+
+    @tf.function
+    def f(p):
+        v.assign([1.0, 2.0])
+        with AssignAwareTape() as tape:
+            out = tf.cond(p, lambda: (v.assign_sub(a * v), a * 2.0)[1], lambda: tf.constant(0.5))
+            y = tf.reduce_sum(v * v) * out
+        return tape.gradient(y, [v, a])
+
+    # p true: v1 = (1 - a) v, y = 2a |v1|^2 = 2a (1 - a)^2 |v|^2, |v|^2 = 5.
+    d_v, d_a = f(tf.constant(True))
+    np.testing.assert_allclose(d_v.numpy(), 2 * 3.0 * 4.0 * 2 * np.array([1.0, 2.0]), rtol=1e-6)
+    np.testing.assert_allclose(float(d_a), 5 * (2 * 4.0 + 2 * 3.0 * 2 * (3.0 - 1)), rtol=1e-6)
+    # p false: v untouched, y = 0.5 |v|^2, and a only in the branch not taken.
+    d_v, d_a = f(tf.constant(False))
+    np.testing.assert_allclose(d_v.numpy(), [1.0, 2.0], rtol=1e-6)
+    assert d_a is None or float(d_a) == 0.0
+
+
+def test_conditional_keras_sgd_step():
+    """A Keras optimizer step taken only when a tensor flag says so."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    opt = keras.optimizers.SGD(0.1)
+    opt.build(model.trainable_variables)
+    x, y = tf.constant([[1.0, 2.0], [0.5, -1.0]]), tf.constant([[1.0], [0.0]])
+    start = [w.numpy() for w in model.trainable_variables]
+
+    def step(flag):
+        for w, w0 in zip(model.trainable_variables, start):
+            w.assign(w0)
+        with AssignAwareTape() as tape:
+            with tf.GradientTape() as inner:
+                loss = tf.reduce_mean((model(x) - y) ** 2)
+            grads = inner.gradient(loss, model.trainable_variables)
+            if flag:
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+            outer = tf.reduce_mean((model(x) - 2.0 * y) ** 2)
+        return tape.gradient(outer, model.trainable_variables, unconnected_gradients=ZERO)
+
+    for flag in (True, False):
+        eager = step(flag)
+        compiled = tf.function(step)(tf.constant(flag))
+        assert_grads_close(compiled, eager, rtol=1e-5)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["tf.function", "xla"])
+def test_cond_writes_under_xla(jit):
+    program, rewrite = _program_and_rewrite()
+    f = tf.function(program, jit_compile=jit)
+    for n in (0, 2):
+        assert_grads_close(f(tf.constant(n)), rewrite(n), rtol=1e-5)
+
+
+def test_versions_and_history_after_a_cond():
+    v, a = tf.Variable(1.0, name="cv"), tf.Variable(2.0)
+    found = []
+
+    @tf.function
+    def f(p):
+        with AssignAwareTape(persistent=True) as tape:
+            if p:
+                v.assign(a * 4.0)
+            y = v * 1.0
+        found.append(tape.history())
+        versions = tape.versions(v)
+        return tape.gradient(y, versions[-1]), tape.gradient(y, a, unconnected_gradients=ZERO)
+
+    d_last, d_a = f(tf.constant(True))
+    assert float(d_last) == 1.0 and float(d_a) == 4.0
+    assert [r.op for r in found[-1].variables["cv:0"]] == [None, "tf.cond"]
+    assert v.handle is v.__dict__["_handle"]  # nothing left behind
+
+
+def test_scatter_write_in_a_branch_is_refused():
+    v, a = tf.Variable([1.0, 2.0], name="scattered"), tf.Variable(2.0)
+
+    @tf.function
+    def f(p):
+        with AssignAwareTape() as tape:
+            if p:
+                v.scatter_add(tf.IndexedSlices(tf.reshape(a, [1]), tf.constant([0])))
+            y = tf.reduce_sum(v)
+        return tape.gradient(y, a)
+
+    with pytest.raises(ControlFlowWriteError, match="scattered.*assign, assign_add and assign_sub only"):
+        f(tf.constant(True))
+    assert v.handle is v.__dict__["_handle"]
+
+
+def test_write_in_a_nested_cond_is_refused():
+    v, a = tf.Variable(1.0, name="nested_cond"), tf.Variable(2.0)
+
+    @tf.function
+    def f(p, q):
+        with AssignAwareTape() as tape:
+            if p:
+                if q:
+                    v.assign(a)
+            y = v * 1.0
+        return tape.gradient(y, a)
+
+    with pytest.raises(ControlFlowWriteError, match="nested_cond"):
+        f(tf.constant(True), tf.constant(True))
+
+
+def test_cond_without_writes_is_untouched():
+    v = tf.Variable(3.0)
+
+    @tf.function
+    def f(p):
+        with AssignAwareTape() as tape:
+            y = tf.cond(p, lambda: v * 2.0, lambda: v * v)
+        return tape.gradient(y, v)
+
+    assert float(f(tf.constant(True))) == 2.0 and float(f(tf.constant(False))) == 6.0
