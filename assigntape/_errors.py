@@ -34,9 +34,8 @@ class ControlFlowWriteError(AssignTapeError, NotImplementedError):
 
     A version handle made inside a ``tf.while_loop`` body cannot leave that body
     unless it is loop state, so the tape cannot carry the new version to later
-    reads. In ``tf.cond`` branches, ``assign`` / ``assign_add`` / ``assign_sub``
-    are differentiated; other writes there, and writes in a cond nested in a
-    branch, raise this error.
+    reads. Writes in ``tf.cond`` branches are differentiated, except in a cond
+    nested in a branch of another, which raises this error.
     """
 
 

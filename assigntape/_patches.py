@@ -49,7 +49,7 @@ from tensorflow.python.ops import (
 )
 
 from assigntape import _rules, _versions
-from assigntape._errors import ControlFlowWriteError, UntrackedWriteError
+from assigntape._errors import UntrackedWriteError
 
 __all__ = ["acquire", "release", "installed"]
 
@@ -120,7 +120,7 @@ def _tracked_write(op_name: str, rule: _rules.OpRule, params: Sequence[str]) -> 
         for name in rule.value_args:
             arguments[name] = ops.convert_to_tensor(arguments[name], dtype=var.dtype)
         if branch is not None:
-            return _branch_write(op_name, wrapped, arguments, branch, var)
+            return _branch_write(op_name, rule, wrapped, arguments, branch, var)
         old = scope.current_version(var)
         write = rule.prepare(var, old, arguments)
         # The real write. If it raises (bad shape or dtype, duplicate indices),
@@ -156,31 +156,27 @@ def _branch_version_grad(op: Any, grad_handle: Any, grad_value: Any) -> List[Any
     return [None, math_ops.add_n(grads) if grads else None]
 
 
-def _branch_write(op_name: str, wrapped: Callable[..., Any], arguments: Dict[str, Any], branch: Any, var: Any) -> Any:
+def _branch_write(
+    op_name: str, rule: _rules.OpRule, wrapped: Callable[..., Any], arguments: Dict[str, Any], branch: Any, var: Any
+) -> Any:
     """A write inside a ``tf.cond`` branch of the tape's graph.
 
     The real write runs. Beside it, the variable's new value is built from plain
-    ops (the functional rewrite, reading the previous version), and a branch
+    ops (the functional rewrite of ``_rules.BRANCH_VALUES``, reading the previous
+    version), and a branch
     version handle is made whose symbolic gradient goes to that value, so reads
     later in the branch differentiate correctly. The cond returns the value as
     an extra output; ``_cond`` makes the tape's version from it.
     """
-    value_of = _rules.BRANCH_VALUES.get(op_name)
-    if value_of is None:
-        raise ControlFlowWriteError(
-            f"{op_name} to variable {var.name!r} inside a tf.cond branch, while an "
-            "AssignAwareTape is open around it: in cond branches the tape "
-            "differentiates assign, assign_add and assign_sub only. Write the whole "
-            "value (v.assign(tf.tensor_scatter_nd_update(v, ...))), or choose the "
-            "branch in Python."
-        )
     uid = var._unique_id
     old = branch.versions.get(uid)
     if old is None:
         old = branch.scope.current_version(var)
     old_value = gen_resource_variable_ops.read_variable_op(old, var.dtype)
-    value = value_of(old_value, arguments)
-    with ops.control_dependencies([old_value.op]):
+    value = _rules.BRANCH_VALUES[op_name](old_value, arguments)
+    # The rule's checks (duplicate indices) guard the write here as anywhere.
+    checks = rule.prepare(var, old, arguments).checks
+    with ops.control_dependencies([old_value.op, *checks]):
         result = wrapped(**arguments)
     with ops.control_dependencies([result]), ops.get_default_graph().gradient_override_map(
         {"IdentityN": _BRANCH_VERSION_GRAD}

@@ -203,11 +203,43 @@ for _combine in ("update", "add", "sub", "min", "max"):
 # Inside a tf.cond branch, a write is replayed as the variable's whole new value,
 # from plain ops, which the cond's symbolic gradient can differentiate: the
 # functional rewrite itself. Writes without an entry are refused in branches.
+def _scatter_value(combine: str, nd_form: bool) -> Callable[[Any, Dict[str, Any]], Any]:
+    def value(old: Any, args: Dict[str, Any]) -> Any:
+        indices = ops.convert_to_tensor(args["indices"])
+        idx = indices if nd_form else array_ops.expand_dims(indices, -1)
+        rows = array_ops.gather_nd(old, idx)
+        u = args["updates"] + array_ops.zeros_like(rows)  # broadcast a scalar update
+        if combine in ("mul", "div"):
+            return array_ops.tensor_scatter_nd_update(old, idx, rows * u if combine == "mul" else rows / u)
+        scatter = {
+            "update": gen_array_ops.tensor_scatter_update,
+            "add": gen_array_ops.tensor_scatter_add,
+            "sub": gen_array_ops.tensor_scatter_sub,
+            "min": gen_array_ops.tensor_scatter_min,
+            "max": gen_array_ops.tensor_scatter_max,
+        }[combine]
+        return scatter(old, idx, u)
+
+    return value
+
+
+def _slice_value(old: Any, args: Dict[str, Any]) -> Any:
+    masks = {m: args.get(m, 0) for m in _MASKS}
+    return gen_array_ops.tensor_strided_slice_update(
+        old, args["begin"], args["end"], args["strides"], args["value"], **masks
+    )
+
+
 BRANCH_VALUES: Dict[str, Callable[[Any, Dict[str, Any]], Any]] = {
     "AssignVariableOp": lambda old, args: args["value"],
     "AssignAddVariableOp": lambda old, args: old + args["value"],
     "AssignSubVariableOp": lambda old, args: old - args["value"],
+    "ResourceStridedSliceAssign": _slice_value,
 }
+for _combine in ("update", "add", "sub", "mul", "div", "min", "max"):
+    BRANCH_VALUES["ResourceScatter" + _combine.capitalize()] = _scatter_value(_combine, False)
+for _combine in ("update", "add", "sub", "min", "max"):
+    BRANCH_VALUES["ResourceScatterNd" + _combine.capitalize()] = _scatter_value(_combine, True)
 
 # Ops that write variables and that the tape does not differentiate: the fused
 # optimizer kernels of legacy Keras 2 (tf_keras) and tf.compat.v1 optimizers.

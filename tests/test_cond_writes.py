@@ -155,20 +155,60 @@ def test_versions_and_history_after_a_cond():
     assert v.handle is v.__dict__["_handle"]  # nothing left behind
 
 
-def test_scatter_write_in_a_branch_is_refused():
-    v, a = tf.Variable([1.0, 2.0], name="scattered"), tf.Variable(2.0)
+WRITES = {
+    "scatter_update": lambda v, a: v.scatter_update(tf.IndexedSlices(tf.stack([a, a * a]), [2, 0])),
+    "scatter_add": lambda v, a: v.scatter_add(tf.IndexedSlices(tf.stack([a, 2.0 * a]), [1, 1])),
+    "scatter_sub": lambda v, a: v.scatter_sub(tf.IndexedSlices(tf.reshape(a, [1]), [3])),
+    "scatter_mul": lambda v, a: v.scatter_mul(tf.IndexedSlices(tf.stack([a, 3.0]), [0, 3])),
+    "scatter_div": lambda v, a: v.scatter_div(tf.IndexedSlices(tf.stack([a, 4.0]), [1, 2])),
+    "scatter_max": lambda v, a: v.scatter_max(tf.IndexedSlices(tf.stack([a * 2.0, -5.0]), [0, 1])),
+    "scatter_min": lambda v, a: v.scatter_min(tf.IndexedSlices(tf.stack([a * 2.0, -5.0]), [0, 1])),
+    "scatter_nd_update": lambda v, a: v.scatter_nd_update([[1], [3]], tf.stack([a, -a])),
+    "scatter_nd_add": lambda v, a: v.scatter_nd_add([[0], [0]], tf.stack([a, a * a])),
+    "scatter_nd_sub": lambda v, a: v.scatter_nd_sub([[2]], tf.reshape(a * 3.0, [1])),
+    "slice": lambda v, a: v[1:3].assign(tf.stack([a, a * a])),
+    "strided_slice": lambda v, a: v[::2].assign(tf.stack([a, 5.0])),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WRITES))
+@pytest.mark.parametrize("taken", [True, False], ids=["branch_taken", "other_branch"])
+def test_partial_writes_in_a_branch_match_eager(kind, taken):
+    v, a = tf.Variable([0.5, 1.5, -2.0, 3.0]), tf.Variable(1.25)
+
+    def body(p):
+        v.assign([0.5, 1.5, -2.0, 3.0])
+        with AssignAwareTape() as tape:
+            v.assign(v * a)  # a version from before the cond, read by the write
+            if p:
+                WRITES[kind](v, a)
+                inside = tf.reduce_sum(v * v)  # read after the write, in the branch
+            else:
+                v.assign_add(tf.fill([4], a))
+                inside = tf.reduce_sum(v)
+            y = tf.reduce_sum(tf.sin(v) * v) + inside
+        return tape.gradient(y, [v, a], unconnected_gradients=ZERO)
+
+    eager = body(taken)
+    compiled = tf.function(body)(tf.constant(taken))
+    assert_grads_close(compiled, eager, rtol=1e-5)
+
+
+def test_duplicate_indices_in_a_branch_are_refused_before_the_write():
+    v, a = tf.Variable([1.0, 2.0]), tf.Variable(2.0)
 
     @tf.function
     def f(p):
         with AssignAwareTape() as tape:
             if p:
-                v.scatter_add(tf.IndexedSlices(tf.reshape(a, [1]), tf.constant([0])))
+                v.scatter_update(tf.IndexedSlices(tf.stack([a, 3.0]), [0, 0]))
             y = tf.reduce_sum(v)
-        return tape.gradient(y, a)
+        return tape.gradient(y, a, unconnected_gradients=ZERO)
 
-    with pytest.raises(ControlFlowWriteError, match="scattered.*assign, assign_add and assign_sub only"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="duplicate indices"):
         f(tf.constant(True))
-    assert v.handle is v.__dict__["_handle"]
+    np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])  # nothing was written
+    assert float(f(tf.constant(False))) == 0.0
 
 
 def test_write_in_a_nested_cond_is_refused():
