@@ -25,6 +25,8 @@ def main(argv: list) -> None:
         "python -m assigntape.examples.maml_sine --help for options):"
     )
     maml_sine.main(argv)
+    if not full:
+        print("(The targets are for the full run, 15,000 meta-steps: python -m assigntape --full.)")
     print()
     print("More examples:")
     for name, what in [

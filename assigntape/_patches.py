@@ -174,10 +174,17 @@ def _branch_write(
         old = branch.scope.current_version(var)
     old_value = gen_resource_variable_ops.read_variable_op(old, var.dtype)
     value = _rules.BRANCH_VALUES[op_name](old_value, arguments)
+    if pywrap_tfe.TFE_Py_TapeSetIsStopped() or not any(t._recording for t in branch.scope.tapes):
+        # Under stop_recording: a new version with no gradient path, as outside.
+        value = array_ops.stop_gradient(value)
     # The rule's checks (duplicate indices) guard the write here as anywhere.
-    checks = rule.prepare(var, old, arguments).checks
-    with ops.control_dependencies([old_value.op, *checks]):
+    write = rule.prepare(var, old, arguments)
+    with ops.control_dependencies([old_value.op, *write.checks]):
         result = wrapped(**arguments)
+    if write.reads_old:
+        # As outside a branch: the part kept from the old value needs the
+        # variable watched, or a never-read variable's gradient is lost.
+        resource_variable_ops.variable_accessed(var)
     with ops.control_dependencies([result]), ops.get_default_graph().gradient_override_map(
         {"IdentityN": _BRANCH_VERSION_GRAD}
     ):

@@ -237,3 +237,39 @@ def test_cond_without_writes_is_untouched():
         return tape.gradient(y, v)
 
     assert float(f(tf.constant(True))) == 2.0 and float(f(tf.constant(False))) == 6.0
+
+
+def test_partial_write_in_a_branch_of_a_never_read_variable():
+    # Found by the random programs: assign_add keeps the old value, so the
+    # variable must be watched even though nothing read it before.
+    v = tf.Variable(0.3)
+
+    @tf.function
+    def f(p):
+        with AssignAwareTape() as tape:
+            tf.cond(p, lambda: (v.assign_add(0.25), tf.constant(0.0))[1], lambda: tf.constant(0.0))
+            loss = tf.sin(v)
+        return tape.gradient(loss, v)
+
+    v.assign(0.3)
+    np.testing.assert_allclose(float(f(tf.constant(True))), np.cos(0.55), rtol=1e-6)
+    v.assign(0.3)
+    np.testing.assert_allclose(float(f(tf.constant(False))), np.cos(0.3), rtol=1e-6)
+
+
+def test_write_under_stop_recording_in_a_branch_has_no_gradient_path():
+    v, a = tf.Variable(1.0), tf.Variable(2.0)
+
+    def body(p):
+        v.assign(1.0)
+        with AssignAwareTape() as tape:
+            if p:
+                with tape.stop_recording():
+                    v.assign_add(a)
+            y = v * a
+        return tape.gradient(y, [v, a], unconnected_gradients=ZERO)
+
+    eager = body(True)
+    compiled = tf.function(body)(tf.constant(True))
+    assert_grads_close(compiled, eager)
+    assert float(eager[1]) == 3.0  # only the read after the write: d (v + a) a / da with v + a fixed

@@ -11,6 +11,9 @@ and subs on unique rows, and slice assignment. One interpreter runs each program
   oracle), where a write under ``stop_recording`` is ``tf.stop_gradient`` of
   the new value.
 
+Compiled, the same programs run with every write inside a ``tf.cond`` branch
+(``CondStore``), whose versions leave through the cond's outputs.
+
 The gradients (and which ones are None) must agree. Where no write is under
 ``stop_recording`` (which deliberately differs from the math), a directional
 finite difference of the rewrite in float64 must agree with them too.
@@ -144,6 +147,28 @@ class VariableStore:
 
     def final(self, i):
         return self.variables[i]
+
+
+class CondStore(VariableStore):
+    """Every write made inside a ``tf.cond`` branch whose predicate is a run-time
+    tensor (true): the writes' new versions leave through the cond's outputs."""
+
+    def __init__(self, variables, tape, pred):
+        super().__init__(variables, tape)
+        self.pred = pred
+
+    def _in_cond(self, write):
+        def taken():
+            write()
+            return tf.constant(0.0)
+
+        tf.cond(self.pred, taken, lambda: tf.constant(0.0))
+
+    def write(self, i, kind, value, stopped):
+        self._in_cond(lambda: VariableStore.write(self, i, kind, value, stopped))
+
+    def write_part(self, i, kind, rows, value):
+        self._in_cond(lambda: VariableStore.write_part(self, i, kind, rows, value))
 
 
 class TensorStore:
@@ -291,6 +316,35 @@ def test_random_programs_eager(program):
 def test_random_programs_compiled(program):
     loss, grads = tape_gradients(program, compiled=True)
     _check_against_rewrite(program, loss, grads)
+
+
+def _none_as_zeros(grads, like):
+    return [np.zeros(np.shape(l)) if g is None else to_numpy(g) for g, l in zip(grads, like)]
+
+
+@settings(max_examples=25)
+@given(programs())
+def test_random_programs_with_every_write_in_a_cond_branch(program):
+    vars0, params0 = program.initial_values()
+    variables = [tf.Variable(v, dtype=d) for v, d in zip(vars0, program.dtypes)]
+    params = [tf.constant(p, tf.float64) for p in params0]
+
+    @tf.function
+    def body(pred):
+        with AssignAwareTape() as tape:
+            tape.watch(params)
+            loss = interpret(program, CondStore(variables, tape, pred), params)
+        return loss, tape.gradient(loss, {"vars": variables, "params": tuple(params)})
+
+    loss, grads = body(tf.constant(True))
+    expected_loss, expected = rewrite(program)
+    rtol, atol = _tolerances(program)
+    np.testing.assert_allclose(float(loss), float(expected_loss), rtol=rtol, atol=atol)
+    # The branch not taken reads the variables it leaves alone, so where the
+    # rewrite has no gradient a graph cond gives zeros (as tf.cond does).
+    for key, like in (("vars", vars0), ("params", params0)):
+        for got, want in zip(_none_as_zeros(grads[key], like), _none_as_zeros(expected[key], like)):
+            np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
 def test_the_generator_makes_programs_that_need_the_tape():
