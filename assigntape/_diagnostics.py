@@ -10,20 +10,35 @@ value off from the target.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence
+import functools
+import os
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
+import wrapt
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
+from assigntape import _versions
 from assigntape._versions import WriteRecord
 
 if TYPE_CHECKING:  # pragma: no cover
     from assigntape._tape import AssignAwareTape
 
-__all__ = ["Reason", "SourceReport", "Explanation", "VersionRecord", "History", "explain", "history"]
+__all__ = [
+    "Reason",
+    "SourceReport",
+    "Explanation",
+    "VersionRecord",
+    "History",
+    "explain",
+    "history",
+    "leave_tensorflow",
+]
 
 
 class Reason:
@@ -312,3 +327,42 @@ def _explain_variable(tape: "AssignAwareTape", name: str, var: Any, per_version:
         "(tf.cast to an integer, tf.round, argmax, comparisons, tf.stop_gradient), "
         "or did not reach the target at all.",
     )
+
+
+# -- the patch behind left_tensorflow -----------------------------------------
+
+
+def leave_tensorflow(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``EagerTensor._numpy`` (behind ``.numpy()``, ``float()``, ``np.asarray``).
+
+    A value the tape records that leaves TensorFlow carries no gradient from
+    then on. Note where it left, so that ``explain()`` can name the place.
+    """
+    scope = _versions.eager_scope()
+    if scope is not None and pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop([instance]):
+        where = _caller()
+        for tape in scope.tapes:
+            tape._note_escape(where)
+    return wrapped(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _library_dirs() -> Tuple[str, ...]:
+    import keras
+    import numpy
+
+    dirs = [os.path.dirname(m.__file__ or "") for m in (tf, keras, numpy, wrapt)]
+    dirs.append(os.path.dirname(__file__) + os.sep + "_")  # our private modules
+    # tensorflow's own modules live beside the tf package (tensorflow/python/...).
+    return tuple(d for d in dirs if d)
+
+
+def _caller() -> str:
+    """``file:line`` of the innermost frame outside TensorFlow, Keras and us."""
+    skip = _library_dirs()
+    frame: Any = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"

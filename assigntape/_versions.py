@@ -20,8 +20,9 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple
 
-from tensorflow.python.eager import context
+from tensorflow.python.eager import context, record
 from tensorflow.python.framework import ops, tensor as tensor_lib
+from tensorflow.python.ops import array_ops
 
 if TYPE_CHECKING:  # pragma: no cover
     from assigntape._tape import AssignAwareTape
@@ -40,6 +41,8 @@ __all__ = [
     "close_scope",
     "tracked_elsewhere",
     "canonical_handle",
+    "differentiable",
+    "new_version",
 ]
 
 _tls = threading.local()
@@ -286,3 +289,37 @@ class HandleDescriptor:
 def canonical_handle(var: Any) -> Any:
     """The variable's own handle, whatever version is current."""
     return var.__dict__["_handle"]
+
+
+def differentiable(var: Any) -> bool:
+    """Whether writes to ``var`` carry gradients. Integer and bool variables
+    (optimizer iteration counters, step flags) do not: their writes stay plain
+    TensorFlow."""
+    return var.dtype.is_floating or var.dtype.is_complex
+
+
+def new_version(old: Any, write_result: Any) -> Any:
+    """A fresh handle tensor for the same resource, unrecorded.
+
+    It must not be recorded: a recorded Identity would chain the new version to
+    the old one whenever the write itself is not recorded (a constant value, or
+    nothing watched), leaking gradient to what produced the old value.
+    """
+    if context.executing_eagerly():
+        copy = getattr(old, "_copy_nograd", None)
+        if copy is not None:
+            # A new EagerTensor for the same handle, without dispatching an op
+            # and without recording: ~3 us against ~45 us for tf.identity. The
+            # handle's dtype-and-shape data (which gradients w.r.t. a version
+            # need) lives on the Python object, so carry it over.
+            new = copy(context.context(), old.device)
+            handle_data = getattr(old, "_handle_data", None)
+            if handle_data is not None:
+                new._handle_data = handle_data
+            return new
+    with record.stop_recording():
+        if context.executing_eagerly() or write_result is None:
+            return array_ops.identity(old)
+        # In a graph, reads through the new handle must run after the write.
+        with ops.control_dependencies([write_result]):
+            return array_ops.identity(old)

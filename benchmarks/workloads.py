@@ -212,7 +212,7 @@ def adam_step(compiled: bool) -> Dict[str, Step]:
 
     def make(tape_cls):
         def step():
-            with tape_cls() as outer:
+            with tape_cls():
                 with tf.GradientTape() as inner:
                     loss = tf.reduce_mean((model(x) - y) ** 2)
                 grads = inner.gradient(loss, model.trainable_variables)

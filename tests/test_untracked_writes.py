@@ -3,7 +3,6 @@ silently wrong. Writes it can (checkpoint restore, raw ops) are versions."""
 
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 import pytest
