@@ -9,7 +9,8 @@ that value. ``cond`` makes both branches return the values of every variable
 either wrote (``build_cond`` adds, to the branch that left a variable alone, its
 unchanged value), and after the cond each written variable gets a new version
 fed by the cond's output, so the cond's own gradient routes into whichever
-branch ran.
+branch ran. A cond built inside a branch does the same one level down: its
+outputs become that branch's latest values (``Branch.parent``).
 """
 
 from __future__ import annotations
@@ -56,10 +57,7 @@ def branch_write(
     later in the branch differentiate correctly. The cond returns the value as
     an extra output; ``cond`` makes the tape's version from it.
     """
-    uid = var._unique_id
-    old = branch.versions.get(uid)
-    if old is None:
-        old = branch.scope.current_version(var)
+    old = branch.version_of(var)
     old_value = gen_resource_variable_ops.read_variable_op(old, var.dtype)
     value = _rules.BRANCH_VALUES[op_name](old_value, arguments)
     if pywrap_tfe.TFE_Py_TapeSetIsStopped() or not any(t._recording for t in branch.scope.tapes):
@@ -73,15 +71,22 @@ def branch_write(
         # As outside a branch: the part kept from the old value needs the
         # variable watched, or a never-read variable's gradient is lost.
         resource_variable_ops.variable_accessed(var)
-    with ops.control_dependencies([result]), ops.get_default_graph().gradient_override_map(
+    _branch_version(branch, var, old, value, result)
+    return result
+
+
+def _branch_version(branch: Any, var: Any, old: Any, value: Any, after: Any) -> None:
+    """Makes ``value`` the variable's latest value in ``branch``: a handle for
+    reads later in the branch (run after ``after``), whose registered gradient
+    goes to ``value``, and the value the cond will return."""
+    with ops.control_dependencies([after]), ops.get_default_graph().gradient_override_map(
         {"IdentityN": _BRANCH_VERSION_GRAD}
     ):
         handle = array_ops.identity_n([old, value])[0]
     handle_data_util.copy_handle_data(old, handle)
-    branch.versions[uid] = handle
-    branch.values[uid] = (var, value)
+    branch.versions[var._unique_id] = handle
+    branch.values[var._unique_id] = (var, value)
     branch.scope.owners[id(handle)] = var
-    return result
 
 
 def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -93,15 +98,16 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
     a new version whose gradient flows into the cond's output, and from there,
     by the cond's own gradient, into whichever branch ran.
     """
-    scope = _versions.graph_scope()
-    if scope is None:
+    found = _versions.cond_context()
+    if found is None:
         return wrapped(*args, **kwargs)
+    scope, parent = found
     arguments = bind(("pred", "true_fn", "false_fn", "name"), args, kwargs)
     branches: List[Any] = []
 
     def traced(fn: Callable[[], Any]) -> Callable[[], Any]:
         def branch_fn() -> Any:
-            branch = _versions.open_branch(scope)
+            branch = _versions.open_branch(scope, parent)
             branches.append(branch)
             try:
                 out = fn()
@@ -121,6 +127,10 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
     written = {uid: var for b in branches for uid, (var, _) in b.values.items()}
     for uid in sorted(values):
         var = written[uid]
+        if parent is not None:
+            # A cond inside a branch: its writes are that branch's writes.
+            _branch_version(parent, var, parent.version_of(var), values[uid], values[uid])
+            continue
         old = scope.current_version(var)
         new = _versions.new_version(old, values[uid])
         record.record_operation("If", [new], [values[uid]], lambda g: [g])
@@ -149,9 +159,7 @@ def build_cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
             for uid in written.keys() - values.keys():
                 # This branch leaves the variable as it was: its value, read here.
                 var = written[uid]
-                values[uid] = gen_resource_variable_ops.read_variable_op(
-                    branch.scope.current_version(var), var.dtype
-                )
+                values[uid] = gen_resource_variable_ops.read_variable_op(branch.outer_version_of(var), var.dtype)
         graph.structured_outputs = (out, values)
         graph.outputs[:] = base + [values[uid] for uid in sorted(values)]
     true_graph, false_graph = arguments["true_graph"], arguments["false_graph"]

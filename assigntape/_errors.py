@@ -34,8 +34,7 @@ class ControlFlowWriteError(AssignTapeError, NotImplementedError):
 
     A version handle made inside a ``tf.while_loop`` body cannot leave that body
     unless it is loop state, so the tape cannot carry the new version to later
-    reads. Writes in ``tf.cond`` branches are differentiated, except in a cond
-    nested in a branch of another, which raises this error.
+    reads. (Writes in ``tf.cond`` branches, nested or not, are differentiated.)
     """
 
 

@@ -36,7 +36,7 @@ __all__ = [
     "Branch",
     "open_branch",
     "close_branch",
-    "graph_scope",
+    "cond_context",
     "open_scope",
     "close_scope",
     "tracked_elsewhere",
@@ -186,32 +186,53 @@ def eager_scope() -> Optional[Scope]:
 
 
 class Branch:
-    """A ``tf.cond`` branch being traced in the graph of an open tape.
+    """A ``tf.cond`` branch being traced in the graph of an open tape (or in a
+    branch of such a cond: ``parent``).
 
     Writes in the branch cannot make versions in the tape's graph directly (a
     tensor made in the branch cannot leave it), so the branch keeps its own:
     ``versions`` maps a variable to its latest handle inside the branch, and
     ``values`` to its full value after the branch's writes, written as plain
     ops so that the cond's own gradient can differentiate it. The cond returns
-    those values as extra outputs, and the tape's graph makes the versions.
+    those values as extra outputs, and the graph around it makes the versions.
     """
 
-    __slots__ = ("scope", "graph", "versions", "values")
+    __slots__ = ("scope", "graph", "parent", "versions", "values")
 
-    def __init__(self, scope: Scope, graph: Any) -> None:
+    def __init__(self, scope: Scope, graph: Any, parent: Optional["Branch"]) -> None:
         self.scope = scope
         self.graph = graph
+        self.parent = parent
         self.versions: Dict[str, Any] = {}  # unique id -> handle inside the branch
         self.values: Dict[str, Tuple[Any, Any]] = {}  # unique id -> (variable, value)
 
+    def version_of_uid(self, uid: str) -> Optional[Any]:
+        """The latest handle written here or in an enclosing branch, if any."""
+        branch: Optional[Branch] = self
+        while branch is not None:
+            handle = branch.versions.get(uid)
+            if handle is not None:
+                return handle
+            branch = branch.parent
+        return None
 
-def open_branch(scope: Scope) -> Branch:
+    def version_of(self, var: Any) -> Any:
+        """The variable's version as this branch sees it."""
+        handle = self.version_of_uid(var._unique_id)
+        return self.scope.current_version(var) if handle is None else handle
+
+    def outer_version_of(self, var: Any) -> Any:
+        """The variable's version in the graph around this branch."""
+        return self.scope.current_version(var) if self.parent is None else self.parent.version_of(var)
+
+
+def open_branch(scope: Scope, parent: Optional[Branch]) -> Branch:
     """Registers the graph being traced now as a cond branch of ``scope``."""
     branches = getattr(_tls, "branches", None)
     if branches is None:
         branches = _tls.branches = {}
     graph = ops.get_default_graph()
-    branch = branches[graph] = Branch(scope, graph)
+    branch = branches[graph] = Branch(scope, graph, parent)
     return branch
 
 
@@ -219,12 +240,19 @@ def close_branch(branch: Branch) -> None:
     _tls.branches.pop(branch.graph, None)
 
 
-def graph_scope() -> Optional[Scope]:
-    """The scope of a tape open in the very graph being built (not an outer one)."""
+def cond_context() -> Optional[Tuple[Scope, Optional[Branch]]]:
+    """For a ``tf.cond`` being built now: the scope of the tape whose graph it is
+    in, and the branch it is nested in (None at the tape's own level). None if
+    the graph being built is neither (eager, no tape, or a loop body)."""
     scopes = getattr(_tls, "scopes", None)
     if not scopes or context.executing_eagerly():
         return None
-    return scopes.get(ops.get_default_graph())
+    graph = ops.get_default_graph()
+    scope = scopes.get(graph)
+    if scope is not None:
+        return scope, None
+    branch = _current_branch()
+    return None if branch is None else (branch.scope, branch)
 
 
 def _current_branch() -> Optional[Branch]:
@@ -244,8 +272,8 @@ def check_writable_here(scope: Scope, var: Any, op_name: str) -> Optional[Branch
 
     raise ControlFlowWriteError(
         f"{op_name} to variable {var.name!r} inside a graph loop body (tf.while_loop, "
-        "or an autograph loop over a tensor) or a nested tf.cond, while an "
-        "AssignAwareTape is open around it: the new version cannot leave that body. "
+        "or an autograph loop over a tensor), while an AssignAwareTape is open "
+        "around it: the new version cannot leave that body. "
         "Unroll the loop in Python (for _ in range(n)), or open the tape inside the body."
     )
 
@@ -267,7 +295,9 @@ class HandleDescriptor:
                     # Inside a cond branch that wrote the variable: its branch version.
                     branch = branches.get(ops.get_default_graph())
                     if branch is not None:
-                        handle = branch.versions.get(d.get("_unique_id"), handle)
+                        written = branch.version_of_uid(d.get("_unique_id"))
+                        if written is not None:
+                            handle = written
                 if handle is None:
                     handle = d.get("_handle")
                     if handle is None:
