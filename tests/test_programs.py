@@ -11,8 +11,9 @@ and subs on unique rows, and slice assignment. One interpreter runs each program
   oracle), where a write under ``stop_recording`` is ``tf.stop_gradient`` of
   the new value.
 
-Compiled, the same programs run with every write inside a ``tf.cond`` branch
-(``CondStore``), whose versions leave through the cond's outputs.
+Compiled, the same programs run with every write inside a ``tf.cond`` branch,
+or two nested ones (``CondStore``), whose versions leave through the conds'
+outputs.
 
 The gradients (and which ones are None) must agree. Where no write is under
 ``stop_recording`` (which deliberately differs from the math), a directional
@@ -150,16 +151,22 @@ class VariableStore:
 
 
 class CondStore(VariableStore):
-    """Every write made inside a ``tf.cond`` branch whose predicate is a run-time
-    tensor (true): the writes' new versions leave through the cond's outputs."""
+    """Every write made inside ``depth`` nested ``tf.cond`` branches whose
+    predicate is a run-time tensor (true): the writes' new versions leave through
+    the conds' outputs."""
 
-    def __init__(self, variables, tape, pred):
+    def __init__(self, variables, tape, pred, depth):
         super().__init__(variables, tape)
-        self.pred = pred
+        self.pred, self.depth = pred, depth
 
-    def _in_cond(self, write):
-        def taken():
+    def _in_cond(self, write, depth=None):
+        depth = self.depth if depth is None else depth
+        if depth == 0:
             write()
+            return
+
+        def taken():
+            self._in_cond(write, depth - 1)
             return tf.constant(0.0)
 
         tf.cond(self.pred, taken, lambda: tf.constant(0.0))
@@ -333,7 +340,8 @@ def test_random_programs_with_every_write_in_a_cond_branch(program):
     def body(pred):
         with AssignAwareTape() as tape:
             tape.watch(params)
-            loss = interpret(program, CondStore(variables, tape, pred), params)
+            # Half the programs nest every write two conds deep.
+            loss = interpret(program, CondStore(variables, tape, pred, 1 + program.seed % 2), params)
         return loss, tape.gradient(loss, {"vars": variables, "params": tuple(params)})
 
     loss, grads = body(tf.constant(True))
