@@ -125,6 +125,11 @@ def test_mirrored_variable_kinds_and_aggregations():
                 got_lr, got_w = out[case]["result"][mode]["grads"][replica]
                 np.testing.assert_allclose(got_lr, d_lr, rtol=1e-5, err_msg=f"{case} {mode} {replica}")
                 np.testing.assert_allclose(got_w, d_w, rtol=1e-5, err_msg=f"{case} {mode} {replica}")
+    # The same step with its write in a tf.cond branch, compiled, per replica.
+    for replica, (d_lr, d_w, _) in enumerate(expected):
+        got_lr, got_w = out["cond_write_in_replica_context"]["result"][replica]
+        np.testing.assert_allclose(got_lr, d_lr, rtol=1e-5, err_msg=f"cond replica {replica}")
+        np.testing.assert_allclose(got_w, d_w, rtol=1e-5, err_msg=f"cond replica {replica}")
     refused = [f"ON_WRITE/{a}" for a in ("SUM", "MEAN", "ONLY_FIRST_REPLICA")] + ["keras_optimizer_in_replica_context"]
     for case in refused:
         assert out[case].get("error") == "UntrackedWriteError", (case, out[case])

@@ -1,6 +1,7 @@
 """Run in a fresh process: the MirroredStrategy step of ``mirrored_meta_step``
 for each synchronization and aggregation of the written variable, and a Keras
-optimizer step in replica context. Prints one JSON line: per case, the step's
+optimizer step in replica context, and a write in a tf.cond branch in replica
+context. Prints one JSON line: per case, the step's
 results or the error it raised (type and message)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from assigntape import AssignAwareTape  # noqa: E402
-from helpers.mirrored_meta_step import TASKS, run_step  # noqa: E402
+from helpers.mirrored_meta_step import TASKS, W0, run_step  # noqa: E402
 
 
 def _outcome(fn):
@@ -46,6 +47,33 @@ def _keras_step(strategy):
     return "ran"
 
 
+def _cond_step(strategy):
+    """The step with its write inside an autograph ``if`` on a tensor, compiled."""
+    with strategy.scope():
+        w = tf.Variable(W0)
+        lr = tf.Variable(0.1)
+
+    @tf.function
+    def step(x, flag):
+        with AssignAwareTape() as outer:
+            with tf.GradientTape() as inner:
+                inner_loss = tf.reduce_sum((w * x) ** 2)
+            grads = inner.gradient(inner_loss, w)
+            if flag:
+                w.assign_sub(lr * grads)
+            outer_loss = tf.reduce_sum((w * x - 1.0) ** 2)
+        return outer.gradient(outer_loss, [lr, w])
+
+    xs = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(TASKS[ctx.replica_id_in_sync_group])
+    )
+    d_lr, d_w = strategy.run(step, args=(xs, tf.constant(True)))
+    return [
+        [float(r_lr), [float(v) for v in r_w]]
+        for r_lr, r_w in zip(strategy.experimental_local_results(d_lr), strategy.experimental_local_results(d_w))
+    ]
+
+
 def main() -> None:
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -59,6 +87,7 @@ def main() -> None:
             )
             out[f"{sync}/{aggregation}"] = _outcome(lambda: run_step(strategy, **kwargs))
     out["keras_optimizer_in_replica_context"] = _outcome(lambda: _keras_step(strategy))
+    out["cond_write_in_replica_context"] = _outcome(lambda: _cond_step(strategy))
     print(json.dumps(out))
 
 
