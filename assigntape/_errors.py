@@ -29,12 +29,12 @@ class NotAVariableError(AssignTapeError, TypeError):
 
 
 class ControlFlowWriteError(AssignTapeError, NotImplementedError):
-    """A tracked variable was written inside a graph control-flow body the tape
-    cannot differentiate through.
+    """A tracked variable was written inside a graph body the tape cannot follow.
 
-    A version handle made inside a ``tf.while_loop`` body cannot leave that body
-    unless it is loop state, so the tape cannot carry the new version to later
-    reads. (Writes in ``tf.cond`` branches, nested or not, are differentiated.)
+    The tape follows writes in ``tf.cond`` branches and graph loops (carrying
+    the variable as loop state). A version made in another body (a
+    ``tf.function`` called inside the tape's function, ``tf.switch_case``)
+    cannot leave it, so the tape cannot carry the new version to later reads.
     """
 
 

@@ -8,8 +8,8 @@ tape in the process closes:
 * The Python wrappers of the ops that write variables (``gen_*_ops.<op>``, and
   the same functions as ``tf.raw_ops.<Op>``) get a wrapper. For an op with a
   gradient rule in ``_rules.RULES`` it performs the real write, then makes the
-  new version and records it on the tape (inside a ``tf.cond`` branch, see
-  ``_cond``). For the fused optimizer kernels, which have no rule, it refuses
+  new version and records it on the tape (inside a ``tf.cond`` branch or a
+  loop body, see ``_control_flow``). For the fused optimizer kernels, which have no rule, it refuses
   the write (or cuts the gradient, by option).
 * A few functions and methods, each wrapped for one topic with its own module:
   see ``_attribute_patches``.
@@ -41,9 +41,10 @@ from tensorflow.python.ops import (
     gen_state_ops,
     gen_training_ops,
     resource_variable_ops,
+    while_v2,
 )
 
-from assigntape import _cond, _diagnostics, _distribute, _functions, _rules, _versions
+from assigntape import _control_flow, _diagnostics, _distribute, _functions, _rules, _versions
 from assigntape._errors import UntrackedWriteError
 from assigntape._wrapping import Wrapper, bind
 
@@ -76,8 +77,10 @@ def _tracked_write(op_name: str, rule: _rules.OpRule, params: Sequence[str]) -> 
         branch = _versions.check_writable_here(scope, var, op_name)
         for name in rule.value_args:
             arguments[name] = ops.convert_to_tensor(arguments[name], dtype=var.dtype)
+        if branch is _versions.STAGING:
+            return wrapped(**arguments)
         if branch is not None:
-            return _cond.branch_write(op_name, rule, wrapped, arguments, branch, var)
+            return _control_flow.branch_write(op_name, rule, wrapped, arguments, branch, var)
         old = scope.current_version(var)
         write = rule.prepare(var, old, arguments)
         # The real write. If it raises (bad shape or dtype, duplicate indices),
@@ -212,9 +215,11 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # Cross-replica updates (_distribute). ``update`` is defined once, on the
         # base class, and every strategy's ``extended`` inherits it.
         (distribute_lib.StrategyExtendedV2, "update", _distribute.distributed_update),
-        # tf.cond, which TensorFlow calls through the module attribute (_cond).
-        (cond_v2, "cond_v2", _cond.cond),
-        (cond_v2, "_build_cond", _cond.build_cond),
+        # tf.cond and graph loops, which TensorFlow calls through the module
+        # attributes (_control_flow).
+        (cond_v2, "cond_v2", _control_flow.cond),
+        (cond_v2, "_build_cond", _control_flow.build_cond),
+        (while_v2, "while_loop", _control_flow.while_loop),
     ]
 
 

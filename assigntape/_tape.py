@@ -11,7 +11,7 @@ from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
 from assigntape import _diagnostics, _patches, _versions
-from assigntape._errors import NotAVariableError
+from assigntape._errors import ControlFlowWriteError, NotAVariableError
 
 __all__ = ["AssignAwareTape"]
 
@@ -259,12 +259,24 @@ class AssignAwareTape(tf.GradientTape):
         mapped_sources = [self._version(s, 0) for s in flat_sources]
         mapped_target = nest.map_structure(lambda t: self._version(t, -1), target)
         zero = unconnected_gradients in (UnconnectedGradients.ZERO, "zero")
-        flat_grads = super().gradient(
-            mapped_target,
-            mapped_sources,
-            output_gradients,
-            UnconnectedGradients.NONE if zero else unconnected_gradients,
-        )
+        try:
+            flat_grads = super().gradient(
+                mapped_target,
+                mapped_sources,
+                output_gradients,
+                UnconnectedGradients.NONE if zero else unconnected_gradients,
+            )
+        except ValueError as e:
+            if "creates a resource in its body" not in str(e):
+                raise
+            # A gradient inside a loop body needed one of the handles the tape
+            # made there; TensorFlow cannot carry resources out of a loop body.
+            raise ControlFlowWriteError(
+                "The gradient through a graph loop that writes a tracked variable "
+                "needs a variable handle made inside the loop body, which "
+                "TensorFlow's loop gradient cannot use. Unroll the loop in Python "
+                "(for _ in range(n)), or write the variable outside the loop."
+            ) from e
         if zero:
             flat_grads = [
                 self._zeros_for(raw, mapped) if g is None else g

@@ -197,14 +197,20 @@ class Branch:
     those values as extra outputs, and the graph around it makes the versions.
     """
 
-    __slots__ = ("scope", "graph", "parent", "versions", "values")
+    __slots__ = ("scope", "graph", "parent", "versions", "values", "carried", "token")
 
-    def __init__(self, scope: Scope, graph: Any, parent: Optional["Branch"]) -> None:
+    def __init__(
+        self, scope: Scope, graph: Any, parent: Optional["Branch"], carried: Optional[List[str]] = None, token: Any = None
+    ) -> None:
         self.scope = scope
         self.graph = graph
         self.parent = parent
         self.versions: Dict[str, Any] = {}  # unique id -> handle inside the branch
         self.values: Dict[str, Tuple[Any, Any]] = {}  # unique id -> (variable, value)
+        # A loop body, not a cond branch: the variables carried as loop state, and
+        # the loop's identity across the attempts to trace it.
+        self.carried = carried
+        self.token = token
 
     def version_of_uid(self, uid: str) -> Optional[Any]:
         """The latest handle written here or in an enclosing branch, if any."""
@@ -226,13 +232,14 @@ class Branch:
         return self.scope.current_version(var) if self.parent is None else self.parent.version_of(var)
 
 
-def open_branch(scope: Scope, parent: Optional[Branch]) -> Branch:
-    """Registers the graph being traced now as a cond branch of ``scope``."""
+def open_branch(scope: Scope, parent: Optional[Branch], carried: Optional[List[str]] = None, token: Any = None) -> Branch:
+    """Registers the graph being traced now as a cond branch (or, with
+    ``carried``, a loop body) of ``scope``."""
     branches = getattr(_tls, "branches", None)
     if branches is None:
         branches = _tls.branches = {}
     graph = ops.get_default_graph()
-    branch = branches[graph] = Branch(scope, graph, parent)
+    branch = branches[graph] = Branch(scope, graph, parent, carried, token)
     return branch
 
 
@@ -241,9 +248,10 @@ def close_branch(branch: Branch) -> None:
 
 
 def cond_context() -> Optional[Tuple[Scope, Optional[Branch]]]:
-    """For a ``tf.cond`` being built now: the scope of the tape whose graph it is
-    in, and the branch it is nested in (None at the tape's own level). None if
-    the graph being built is neither (eager, no tape, or a loop body)."""
+    """For a ``tf.cond`` or loop being built now: the scope of the tape whose
+    graph it is in, and the branch or loop body it is nested in (None at the
+    tape's own level). None if the graph being built is neither (eager, no
+    tape, or a body we do not track, such as a nested tf.function's)."""
     scopes = getattr(_tls, "scopes", None)
     if not scopes or context.executing_eagerly():
         return None
@@ -260,21 +268,39 @@ def _current_branch() -> Optional[Branch]:
     return branches.get(ops.get_default_graph()) if branches else None
 
 
-def check_writable_here(scope: Scope, var: Any, op_name: str) -> Optional[Branch]:
-    """Where a write goes: the tape's own graph (None), a cond branch of it (the
-    ``Branch``), or a control-flow body it cannot leave (refused)."""
+# AutoGraph stages one iteration of a loop body in a throwaway graph to infer
+# the types of loop variables first defined inside the loop
+# (``_try_handling_undefineds``). Nothing built there runs: a write there is
+# left plain, and the real trace of the body, in the loop, is tracked.
+STAGING = object()
+
+
+def _is_autograph_staging(graph: Any) -> bool:
+    from tensorflow.python.framework import func_graph
+
+    return type(graph) is func_graph.FuncGraph and graph.name == "tmp"
+
+
+def check_writable_here(scope: Scope, var: Any, op_name: str) -> Any:
+    """Where a write goes: the tape's own graph (None), a cond branch or loop body
+    of it (the ``Branch``), AutoGraph's throwaway staging graph (``STAGING``), or
+    a body it cannot leave (refused)."""
     if scope.key is current_key():
         return None
     branch = _current_branch()
     if branch is not None and branch.scope is scope:
         return branch
+    if _is_autograph_staging(ops.get_default_graph()):
+        return STAGING
     from assigntape._errors import ControlFlowWriteError
 
     raise ControlFlowWriteError(
-        f"{op_name} to variable {var.name!r} inside a graph loop body (tf.while_loop, "
-        "or an autograph loop over a tensor), while an AssignAwareTape is open "
-        "around it: the new version cannot leave that body. "
-        "Unroll the loop in Python (for _ in range(n)), or open the tape inside the body."
+        f"{op_name} to variable {var.name!r} inside a graph body the tape cannot "
+        "follow (a tf.function called inside the tape's function, tf.switch_case, or "
+        "another functional op) while an AssignAwareTape is open around it: the new "
+        "version cannot leave that body. Write in the tape's own function, in "
+        "tf.cond branches or tf.while_loop bodies, which the tape follows, or open "
+        "the tape inside the body."
     )
 
 

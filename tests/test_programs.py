@@ -11,9 +11,10 @@ and subs on unique rows, and slice assignment. One interpreter runs each program
   oracle), where a write under ``stop_recording`` is ``tf.stop_gradient`` of
   the new value.
 
-Compiled, the same programs run with every write inside a ``tf.cond`` branch,
-or two nested ones (``CondStore``), whose versions leave through the conds'
-outputs.
+Compiled, the same programs run with every write inside graph control flow
+that runs it once (``ControlFlowStore``: ``tf.cond`` branches and loops, nested
+up to two deep), whose versions leave through the conds' outputs and the loops'
+state.
 
 The gradients (and which ones are None) must agree. Where no write is under
 ``stop_recording`` (which deliberately differs from the math), a directional
@@ -150,32 +151,40 @@ class VariableStore:
         return self.variables[i]
 
 
-class CondStore(VariableStore):
-    """Every write made inside ``depth`` nested ``tf.cond`` branches whose
-    predicate is a run-time tensor (true): the writes' new versions leave through
-    the conds' outputs."""
+class ControlFlowStore(VariableStore):
+    """Every write made inside graph control flow that runs it exactly once:
+    ``tf.cond`` branches whose predicate is a run-time true tensor, and loops over
+    ``tf.range(one)`` with ``one`` a run-time 1, nested as ``layers`` says. The
+    writes' versions leave through the conds' outputs and the loops' state."""
 
-    def __init__(self, variables, tape, pred, depth):
+    def __init__(self, variables, tape, pred, one, layers):
         super().__init__(variables, tape)
-        self.pred, self.depth = pred, depth
+        self.pred, self.one, self.layers = pred, one, layers
 
-    def _in_cond(self, write, depth=None):
-        depth = self.depth if depth is None else depth
-        if depth == 0:
+    def _inside(self, write, layers=None):
+        layers = self.layers if layers is None else layers
+        if not layers:
             write()
+            return
+        if layers[0] == "loop":
+            for _ in tf.range(self.one):
+                self._inside(write, layers[1:])
             return
 
         def taken():
-            self._in_cond(write, depth - 1)
+            self._inside(write, layers[1:])
             return tf.constant(0.0)
 
         tf.cond(self.pred, taken, lambda: tf.constant(0.0))
 
     def write(self, i, kind, value, stopped):
-        self._in_cond(lambda: VariableStore.write(self, i, kind, value, stopped))
+        self._inside(lambda: VariableStore.write(self, i, kind, value, stopped))
 
     def write_part(self, i, kind, rows, value):
-        self._in_cond(lambda: VariableStore.write_part(self, i, kind, rows, value))
+        self._inside(lambda: VariableStore.write_part(self, i, kind, rows, value))
+
+
+LAYERS = [("cond",), ("cond", "cond"), ("loop",), ("loop", "cond"), ("cond", "loop")]
 
 
 class TensorStore:
@@ -330,26 +339,26 @@ def _none_as_zeros(grads, like):
 
 
 @settings(max_examples=25)
-@given(programs())
-def test_random_programs_with_every_write_in_a_cond_branch(program):
+@given(programs(), st.sampled_from(LAYERS))
+def test_random_programs_with_every_write_in_control_flow(program, layers):
     vars0, params0 = program.initial_values()
     variables = [tf.Variable(v, dtype=d) for v, d in zip(vars0, program.dtypes)]
     params = [tf.constant(p, tf.float64) for p in params0]
 
     @tf.function
-    def body(pred):
+    def body(pred, one):
         with AssignAwareTape() as tape:
             tape.watch(params)
-            # Half the programs nest every write two conds deep.
-            loss = interpret(program, CondStore(variables, tape, pred, 1 + program.seed % 2), params)
+            loss = interpret(program, ControlFlowStore(variables, tape, pred, one, layers), params)
         return loss, tape.gradient(loss, {"vars": variables, "params": tuple(params)})
 
-    loss, grads = body(tf.constant(True))
+    loss, grads = body(tf.constant(True), tf.constant(1))
     expected_loss, expected = rewrite(program)
     rtol, atol = _tolerances(program)
     np.testing.assert_allclose(float(loss), float(expected_loss), rtol=rtol, atol=atol)
-    # The branch not taken reads the variables it leaves alone, so where the
-    # rewrite has no gradient a graph cond gives zeros (as tf.cond does).
+    # The branch not taken reads the variables it leaves alone, and a loop
+    # carries them, so where the rewrite has no gradient a graph gives zeros
+    # (as tf.cond and tf.while_loop do).
     for key, like in (("vars", vars0), ("params", params0)):
         for got, want in zip(_none_as_zeros(grads[key], like), _none_as_zeros(expected[key], like)):
             np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)

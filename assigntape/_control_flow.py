@@ -1,4 +1,5 @@
-"""Writes inside ``tf.cond`` branches, with the tape open in the graph around them.
+"""Writes inside ``tf.cond`` branches and graph loops, with the tape open in the
+graph around them.
 
 A tensor made in a branch cannot leave it, and the cond's gradient is
 TensorFlow's symbolic one, which never sees what the tape recorded inside. So in
@@ -16,6 +17,7 @@ outputs become that branch's latest values (``Branch.parent``).
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable, Dict, List, Tuple
 
 from tensorflow.python import pywrap_tfe
@@ -32,7 +34,7 @@ from tensorflow.python.ops import (
 from assigntape import _rules, _versions
 from assigntape._wrapping import bind, params_of
 
-__all__ = ["branch_write", "cond", "build_cond"]
+__all__ = ["branch_write", "cond", "build_cond", "while_loop"]
 
 _BRANCH_VERSION_GRAD = "AssigntapeBranchVersion"
 
@@ -79,10 +81,19 @@ def _branch_version(branch: Any, var: Any, old: Any, value: Any, after: Any) -> 
     """Makes ``value`` the variable's latest value in ``branch``: a handle for
     reads later in the branch (run after ``after``), whose registered gradient
     goes to ``value``, and the value the cond will return."""
+    if branch.carried is not None and var._unique_id not in branch.carried:
+        # A loop body writes a variable its loop does not carry yet: ask the
+        # loop to trace again, carrying it (see ``while_loop``).
+        _retry.request = (branch.token, var)
+        raise _NotCarried(f"{var.name!r} is written in a loop body that does not carry it yet")
+    # The handle's resource input is the tape-level version, made outside every
+    # body: a loop's gradient cannot use a resource made in a loop body. The
+    # control dependency, not the input, orders later reads after ``after``.
+    root = branch.scope.current_version(var)
     with ops.control_dependencies([after]), ops.get_default_graph().gradient_override_map(
         {"IdentityN": _BRANCH_VERSION_GRAD}
     ):
-        handle = array_ops.identity_n([old, value])[0]
+        handle = array_ops.identity_n([root, value])[0]
     handle_data_util.copy_handle_data(old, handle)
     branch.versions[var._unique_id] = handle
     branch.values[var._unique_id] = (var, value)
@@ -126,16 +137,21 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
         _pending.remove(branches)
     written = {uid: var for b in branches for uid, (var, _) in b.values.items()}
     for uid in sorted(values):
-        var = written[uid]
-        if parent is not None:
-            # A cond inside a branch: its writes are that branch's writes.
-            _branch_version(parent, var, parent.version_of(var), values[uid], values[uid])
-            continue
-        old = scope.current_version(var)
-        new = _versions.new_version(old, values[uid])
-        record.record_operation("If", [new], [values[uid]], lambda g: [g])
-        scope.advance(var, old, new, _versions.WriteRecord("tf.cond"))
+        _leave(scope, parent, written[uid], values[uid], "tf.cond")
     return out
+
+
+def _leave(scope: Any, parent: Any, var: Any, value: Any, what: str) -> None:
+    """After a cond or loop, ``value`` (its output) is the variable's value in the
+    graph around it: a new version there, or, inside a branch or loop body, that
+    body's latest value."""
+    if parent is not None:
+        _branch_version(parent, var, parent.version_of(var), value, value)
+        return
+    old = scope.current_version(var)
+    new = _versions.new_version(old, value)
+    record.record_operation(what, [new], [value], lambda g: [g])
+    scope.advance(var, old, new, _versions.WriteRecord(what))
 
 
 _pending: List[List[Any]] = []
@@ -171,3 +187,100 @@ def build_cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
 @functools.lru_cache(maxsize=None)
 def _params(function: Any) -> Tuple[str, ...]:
     return tuple(params_of(function))
+
+
+# -- loops ---------------------------------------------------------------------
+
+
+class _NotCarried(Exception):
+    """Internal: a loop body wrote a variable its loop did not carry."""
+
+
+# The retry request travels beside the exception: AutoGraph and TensorFlow may
+# re-wrap an exception raised while tracing, but not this thread-local.
+_retry = threading.local()
+
+
+def while_loop(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``while_v2.while_loop`` (``tf.while_loop``, autograph ``for``/``while`` on
+    tensors) in the graph of a tape.
+
+    A version made in a loop body can leave it only as loop state. So every
+    variable the body writes is carried: its value is one more loop variable,
+    reads in the body get a handle fed by that state, each write's functional
+    value becomes the next state, and after the loop the final state makes the
+    variable's new version; the loop's own gradient does the rest. Which
+    variables the body writes is known only once it is traced, so the body is
+    traced again, carrying one more variable, each time it writes one it did
+    not carry (as TensorFlow itself may trace a function more than once).
+    """
+    found = _versions.cond_context()
+    if found is None:
+        return wrapped(*args, **kwargs)
+    scope, parent = found
+    arguments = bind(_params(wrapped), args, kwargs)
+    token = object()
+    carried: List[Any] = []
+    while True:
+        try:
+            return _carrying(wrapped, arguments, scope, parent, carried, token)
+        except Exception:
+            request = getattr(_retry, "request", None)
+            if request is None or request[0] is not token:
+                raise
+            _retry.request = None
+            if any(v is request[1] for v in carried):
+                raise
+            carried.append(request[1])
+
+
+def _carrying(
+    wrapped: Callable[..., Any], arguments: Dict[str, Any], scope: Any, parent: Any, carried: List[Any], token: Any
+) -> Any:
+    """Builds the loop with ``carried``'s values as extra loop state."""
+    loop_vars = arguments["loop_vars"]
+    user_cond, user_body = arguments["cond"], arguments["body"]
+    if not carried:
+        # First attempt: carry nothing, but watch the body for writes.
+        def watched_body(*state: Any) -> Any:
+            body = _versions.open_branch(scope, parent, [], token)
+            try:
+                return user_body(*state)
+            finally:
+                _versions.close_branch(body)
+
+        return wrapped(**dict(arguments, body=watched_body))
+    n = len(loop_vars)
+    uids = [v._unique_id for v in carried]
+    outer = [scope.current_version(v) if parent is None else parent.version_of(v) for v in carried]
+    start = tuple(gen_resource_variable_ops.read_variable_op(h, v.dtype) for h, v in zip(outer, carried))
+    for v in carried:
+        resource_variable_ops.variable_accessed(v)  # the start value's gradient goes to v
+
+    def cond_fn(*state: Any) -> Any:
+        return user_cond(*state[:n])
+
+    def body_fn(*state: Any) -> Any:
+        body = _versions.open_branch(scope, parent, uids, token)
+        try:
+            for v, handle, value in zip(carried, outer, state[n]):
+                # This iteration's value of v is the state it was handed.
+                _branch_version(body, v, handle, value, value)
+            out = user_body(*state[:n])
+        finally:
+            _versions.close_branch(body)
+        out = list(out) if isinstance(out, (list, tuple)) else [out]
+        return out + [tuple(body.values[uid][1] for uid in uids)]
+
+    invariants = arguments.get("shape_invariants")
+    if invariants is not None:
+        invariants = list(invariants) + [tuple(t.shape for t in start)]
+    result = wrapped(
+        **dict(arguments, cond=cond_fn, body=body_fn, loop_vars=list(loop_vars) + [start], shape_invariants=invariants)
+    )
+    for v, value in zip(carried, result[-1]):
+        _leave(scope, parent, v, value, "tf.while_loop")
+    rest = list(result[:-1])
+    if not arguments.get("return_same_structure", True) and len(rest) == 1:
+        return rest[0]
+    return type(loop_vars)(rest) if isinstance(loop_vars, tuple) else rest
