@@ -149,3 +149,18 @@ def test_xla_compiled_tape_matches_eager(jit):
     eager = body(*make())
     compiled = tf.function(body, jit_compile=jit)(*make())
     assert_grads_close(compiled, eager, rtol=1e-5)
+
+
+def test_write_in_a_switch_case_branch_is_refused():
+    v, a = tf.Variable(1.0, name="in_switch"), tf.Variable(2.0)
+
+    @tf.function
+    def f(i):
+        with AssignAwareTape() as tape:
+            tf.switch_case(i, [lambda: v.assign(a).read_value(), lambda: v.assign(a * 2.0).read_value()])
+            y = v * 1.0
+        return tape.gradient(y, a)
+
+    with pytest.raises(ControlFlowWriteError, match="in_switch"):
+        f(tf.constant(0))
+    assert v.handle is v.__dict__["_handle"]
