@@ -50,14 +50,14 @@ def _branch_version_grad(op: Any, grad_handle: Any, grad_value: Any) -> List[Any
 def branch_write(
     op_name: str, rule: _rules.OpRule, wrapped: Callable[..., Any], arguments: Dict[str, Any], branch: Any, var: Any
 ) -> Any:
-    """A write inside a ``tf.cond`` branch of the tape's graph.
+    """A write inside a ``tf.cond`` branch or loop body in the tape's graph.
 
     The real write runs. Beside it, the variable's new value is built from plain
     ops (the functional rewrite of ``_rules.BRANCH_VALUES``, reading the previous
-    version), and a branch
-    version handle is made whose symbolic gradient goes to that value, so reads
-    later in the branch differentiate correctly. The cond returns the value as
-    an extra output; ``cond`` makes the tape's version from it.
+    version), and a handle is made whose symbolic gradient goes to that value, so
+    reads later in the body differentiate correctly. The cond returns the value
+    as an extra output (a loop, as its next state); ``cond`` and ``while_loop``
+    make the tape's version from it.
     """
     old = branch.version_of(var)
     old_value = gen_resource_variable_ops.read_variable_op(old, var.dtype)
@@ -73,11 +73,11 @@ def branch_write(
         # As outside a branch: the part kept from the old value needs the
         # variable watched, or a never-read variable's gradient is lost.
         resource_variable_ops.variable_accessed(var)
-    _branch_version(branch, var, old, value, result)
+    _branch_version(branch, var, value, result)
     return result
 
 
-def _branch_version(branch: Any, var: Any, old: Any, value: Any, after: Any) -> None:
+def _branch_version(branch: Any, var: Any, value: Any, after: Any) -> None:
     """Makes ``value`` the variable's latest value in ``branch``: a handle for
     reads later in the branch (run after ``after``), whose registered gradient
     goes to ``value``, and the value the cond will return."""
@@ -94,7 +94,7 @@ def _branch_version(branch: Any, var: Any, old: Any, value: Any, after: Any) -> 
         {"IdentityN": _BRANCH_VERSION_GRAD}
     ):
         handle = array_ops.identity_n([root, value])[0]
-    handle_data_util.copy_handle_data(old, handle)
+    handle_data_util.copy_handle_data(root, handle)
     branch.versions[var._unique_id] = handle
     branch.values[var._unique_id] = (var, value)
     branch.scope.owners[id(handle)] = var
@@ -146,7 +146,7 @@ def _leave(scope: Any, parent: Any, var: Any, value: Any, what: str) -> None:
     graph around it: a new version there, or, inside a branch or loop body, that
     body's latest value."""
     if parent is not None:
-        _branch_version(parent, var, parent.version_of(var), value, value)
+        _branch_version(parent, var, value, value)
         return
     old = scope.current_version(var)
     new = _versions.new_version(old, value)
@@ -252,7 +252,7 @@ def _carrying(
         return wrapped(**dict(arguments, body=watched_body))
     n = len(loop_vars)
     uids = [v._unique_id for v in carried]
-    outer = [scope.current_version(v) if parent is None else parent.version_of(v) for v in carried]
+    outer = [_versions.version_in(scope, parent, v) for v in carried]
     start = tuple(gen_resource_variable_ops.read_variable_op(h, v.dtype) for h, v in zip(outer, carried))
     for v in carried:
         resource_variable_ops.variable_accessed(v)  # the start value's gradient goes to v
@@ -263,9 +263,9 @@ def _carrying(
     def body_fn(*state: Any) -> Any:
         body = _versions.open_branch(scope, parent, uids, token)
         try:
-            for v, handle, value in zip(carried, outer, state[n]):
+            for v, value in zip(carried, state[n]):
                 # This iteration's value of v is the state it was handed.
-                _branch_version(body, v, handle, value, value)
+                _branch_version(body, v, value, value)
             out = user_body(*state[:n])
         finally:
             _versions.close_branch(body)

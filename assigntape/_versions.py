@@ -37,6 +37,7 @@ __all__ = [
     "open_branch",
     "close_branch",
     "cond_context",
+    "version_in",
     "open_scope",
     "close_scope",
     "tracked_elsewhere",
@@ -229,7 +230,13 @@ class Branch:
 
     def outer_version_of(self, var: Any) -> Any:
         """The variable's version in the graph around this branch."""
-        return self.scope.current_version(var) if self.parent is None else self.parent.version_of(var)
+        return version_in(self.scope, self.parent, var)
+
+
+def version_in(scope: Scope, branch: Optional[Branch], var: Any) -> Any:
+    """The variable's version in ``branch`` (a cond branch or loop body), or at
+    the tape's own level when ``branch`` is None."""
+    return scope.current_version(var) if branch is None else branch.version_of(var)
 
 
 def open_branch(scope: Scope, parent: Optional[Branch], carried: Optional[List[str]] = None, token: Any = None) -> Branch:

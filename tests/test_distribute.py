@@ -34,20 +34,31 @@ def _functional(x):
     return float(d_lr), d_w.numpy(), w1.numpy()
 
 
-def test_mirrored_strategy_meta_step_matches_single_device():
+def _helper_output(module):
+    """Runs ``tests/helpers/<module>`` in a fresh process; its last JSON line."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     done = subprocess.run(
-        [sys.executable, "-m", "helpers.mirrored_meta_step"],
+        [sys.executable, "-m", f"helpers.{module}"],
         cwd=ROOT / "tests", env=env, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _assert_replica_grads(grads, expected, label):
+    """Each replica's [d/d lr, d/d w0] against the single-device step on its task."""
+    for replica, (d_lr, d_w, _) in enumerate(expected):
+        got_lr, got_w = grads[replica]
+        np.testing.assert_allclose(got_lr, d_lr, rtol=1e-5, err_msg=f"{label} replica {replica}")
+        np.testing.assert_allclose(got_w, d_w, rtol=1e-5, err_msg=f"{label} replica {replica}")
+
+
+def test_mirrored_strategy_meta_step_matches_single_device():
+    result = _helper_output("mirrored_meta_step")
     expected = [_functional(x) for x in TASKS]
     for mode in ("eager", "function"):
-        for replica, (d_lr, d_w, w1) in enumerate(expected):
-            got_lr, got_w = result[mode]["grads"][replica]
-            np.testing.assert_allclose(got_lr, d_lr, rtol=1e-5, err_msg=f"{mode} replica {replica}")
-            np.testing.assert_allclose(got_w, d_w, rtol=1e-5, err_msg=f"{mode} replica {replica}")
+        _assert_replica_grads(result[mode]["grads"], expected, mode)
+        for replica, (_, _, w1) in enumerate(expected):
             # Each replica's write updated its own component of the variable.
             np.testing.assert_allclose(result[mode]["components"][replica], w1, rtol=1e-6)
     assert expected[0][0] != expected[1][0]  # the tasks really differ
@@ -94,11 +105,10 @@ def test_multi_worker_mirrored_strategy_on_loopback():
         assert w.returncode == 0, err[-3000:]
         result = json.loads(out.strip().splitlines()[-1])
         index = result["task_index"]
-        d_lr, d_w, w1 = expected[index]
+        w1 = expected[index][2]
         for mode in ("eager", "function"):
-            [(got_lr, got_w)] = result[mode]["grads"]  # one local replica per worker
-            np.testing.assert_allclose(got_lr, d_lr, rtol=1e-5, err_msg=f"{mode} worker {index}")
-            np.testing.assert_allclose(got_w, d_w, rtol=1e-5, err_msg=f"{mode} worker {index}")
+            assert len(result[mode]["grads"]) == 1  # one local replica per worker
+            _assert_replica_grads(result[mode]["grads"], [expected[index]], f"{mode} worker {index}")
             np.testing.assert_allclose(result[mode]["components"][0], w1, rtol=1e-6)
             mean = (expected[0][0] + expected[1][0]) / 2
             np.testing.assert_allclose(result[mode]["mean_d_lr"], mean, rtol=1e-5)
@@ -109,27 +119,15 @@ def test_mirrored_variable_kinds_and_aggregations():
     aggregation) give each replica its single-device meta-gradients. Writes that
     become cross-replica updates (ON_WRITE with SUM / MEAN / ONLY_FIRST_REPLICA,
     a Keras optimizer step in replica context) are refused, never wrong."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    done = subprocess.run(
-        [sys.executable, "-m", "helpers.mirrored_aggregations"],
-        cwd=ROOT / "tests", env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = _helper_output("mirrored_aggregations")
     expected = [_functional(x) for x in TASKS]
     works = ["ON_WRITE/NONE"] + [f"ON_READ/{a}" for a in ("NONE", "SUM", "MEAN", "ONLY_FIRST_REPLICA")]
     for case in works:
         assert "result" in out[case], (case, out[case])
         for mode in ("eager", "function"):
-            for replica, (d_lr, d_w, _) in enumerate(expected):
-                got_lr, got_w = out[case]["result"][mode]["grads"][replica]
-                np.testing.assert_allclose(got_lr, d_lr, rtol=1e-5, err_msg=f"{case} {mode} {replica}")
-                np.testing.assert_allclose(got_w, d_w, rtol=1e-5, err_msg=f"{case} {mode} {replica}")
+            _assert_replica_grads(out[case]["result"][mode]["grads"], expected, f"{case} {mode}")
     # The same step with its write in a tf.cond branch, compiled, per replica.
-    for replica, (d_lr, d_w, _) in enumerate(expected):
-        got_lr, got_w = out["cond_write_in_replica_context"]["result"][replica]
-        np.testing.assert_allclose(got_lr, d_lr, rtol=1e-5, err_msg=f"cond replica {replica}")
-        np.testing.assert_allclose(got_w, d_w, rtol=1e-5, err_msg=f"cond replica {replica}")
+    _assert_replica_grads(out["cond_write_in_replica_context"]["result"], expected, "cond")
     refused = [f"ON_WRITE/{a}" for a in ("SUM", "MEAN", "ONLY_FIRST_REPLICA")] + ["keras_optimizer_in_replica_context"]
     for case in refused:
         assert out[case].get("error") == "UntrackedWriteError", (case, out[case])

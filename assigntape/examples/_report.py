@@ -1,11 +1,39 @@
-"""What the examples share: plots, when matplotlib is there."""
+"""What the examples share: their command line, the end of their report, and
+plots, when matplotlib is there."""
 
 from __future__ import annotations
 
+import argparse
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-__all__ = ["pyplot", "save"]
+__all__ = ["parser", "footer", "run_and_print", "pyplot", "save"]
+
+
+def parser(name: str, doc: Optional[str], plot: Optional[str], eager_help: str) -> argparse.ArgumentParser:
+    """An example's argument parser, with the options every example has:
+    ``--eager``, ``--plot`` and ``--quiet``."""
+    p = argparse.ArgumentParser(prog=f"python -m assigntape.examples.{name}", description=(doc or "").split("\n")[0])
+    p.add_argument("--eager", action="store_true", help=eager_help)
+    p.add_argument("--plot", default=plot, help="PNG path, or '' for none")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def footer(results: Dict[str, Any]) -> List[str]:
+    """The last lines of a report: the time taken, and where the plot went."""
+    lines = [f"in {results['seconds']:.0f} s"]
+    if results.get("plot"):
+        lines.append(f"plot: {results['plot']}")
+    return lines
+
+
+def run_and_print(run: Callable[[Any], Dict[str, Any]], report: Callable[[Dict[str, Any]], str], config: Any) -> Dict[str, Any]:
+    """Runs an example's configuration and prints its report."""
+    results = run(config)
+    print()
+    print(report(results))
+    return results
 
 
 def pyplot() -> Optional[Any]:

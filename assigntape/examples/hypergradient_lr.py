@@ -23,7 +23,6 @@ over the steps against plain SGD at the same starting rates.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -169,14 +168,9 @@ def _plot(results: Dict[str, Any]) -> Optional[str]:
         style = "-" if label.startswith("SGD-HD") else ":"
         losses.plot(_smooth(r["loss"]), style, color=color, label=label)
         rates.plot(r["lr"], style, color=color, label=label)
-    losses.set_yscale("log")
-    losses.set_xlabel("step")
-    losses.set_ylabel("training loss (moving mean of 25)")
-    losses.set_title("Loss: dotted plain SGD, solid SGD-HD")
-    rates.set_yscale("log")
-    rates.set_xlabel("step")
-    rates.set_ylabel("learning rate")
-    rates.set_title("Learning rate")
+    losses.set(yscale="log", xlabel="step", ylabel="training loss (moving mean of 25)",
+               title="Loss: dotted plain SGD, solid SGD-HD")
+    rates.set(yscale="log", xlabel="step", ylabel="learning rate", title="Learning rate")
     rates.legend(fontsize=7)
     return _report.save(fig, results["config"]["plot"])
 
@@ -192,23 +186,16 @@ def report(results: Dict[str, Any]) -> str:
     ]
     for label, r in results["runs"].items():
         lines.append(f"{label:<40}{np.mean(r['loss'][-tail:]):>12.4f}{r['lr'][-1]:>12.4f}")
-    lines.append(f"{config['rule']} rule, beta = {config['beta']}, in {results['seconds']:.0f} s")
-    if results.get("plot"):
-        lines.append(f"plot: {results['plot']}")
-    return "\n".join(lines)
+    lines.append(f"{config['rule']} rule, beta = {config['beta']}")
+    return "\n".join(lines + _report.footer(results))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     defaults = Config()
-    parser = argparse.ArgumentParser(
-        prog="python -m assigntape.examples.hypergradient_lr", description=__doc__.split("\n")[0]
-    )
+    parser = _report.parser("hypergradient_lr", __doc__, defaults.plot, "run the steps eagerly")
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--beta", type=float, default=defaults.beta)
     parser.add_argument("--rule", choices=["multiplicative", "additive"], default=defaults.rule)
-    parser.add_argument("--eager", action="store_true")
-    parser.add_argument("--plot", default=defaults.plot, help="PNG path, or '' for none")
-    parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     config = Config(
         steps=args.steps,
@@ -218,10 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         plot=args.plot or None,
         progress=not args.quiet,
     )
-    results = run(config)
-    print()
-    print(report(results))
-    return results
+    return _report.run_and_print(run, report, config)
 
 
 if __name__ == "__main__":

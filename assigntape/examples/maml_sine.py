@@ -26,7 +26,6 @@ tasks and fine-tuned the same way, and saves the adaptation curves as a PNG
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -314,9 +313,8 @@ def _plot(results: Dict[str, Any], held_out: Tuple[np.ndarray, ...], config: Con
     fig, (curves, fit) = plt.subplots(1, 2, figsize=(11, 4))
     for name, method in results["methods"].items():
         curves.plot(range(len(method["curve"])), method["curve"], marker="o", label=name)
-    curves.set_xlabel("adaptation steps on K = %d points" % config.shots)
-    curves.set_ylabel("mean squared error, %d held-out tasks" % config.eval_tasks)
-    curves.set_yscale("log")
+    curves.set(xlabel=f"adaptation steps on K = {config.shots} points", yscale="log",
+               ylabel=f"mean squared error, {config.eval_tasks} held-out tasks")
     # Meta-SGD's step sizes are learned for one step; repeated, they can diverge.
     # Keep the axis on the range that matters.
     start = max(m["curve"][0] for m in results["methods"].values())
@@ -363,25 +361,19 @@ def report(results: Dict[str, Any]) -> str:
         f"{base / maml:.1f}x below the pretrained baseline (target >= 3x)",
         f"Meta-SGD after 1 step: {meta_sgd:.3f} (target: at or below MAML's {maml:.3f}); its "
         "step sizes are learned for one step, and repeated they may diverge",
-        f"{config['iterations']} meta-steps each, {'compiled' if config['compiled'] else 'eager'}, "
-        f"in {results['seconds']:.0f} s",
+        f"{config['iterations']} meta-steps each, {'compiled' if config['compiled'] else 'eager'}",
     ]
-    if results.get("plot"):
-        lines.append(f"plot: {results['plot']}")
-    return "\n".join(lines)
+    return "\n".join(lines + _report.footer(results))
 
 
 def _parse(argv: Optional[Sequence[str]]) -> Config:
     defaults = Config()
-    parser = argparse.ArgumentParser(prog="python -m assigntape.examples.maml_sine", description=__doc__.split("\n")[0])
+    parser = _report.parser("maml_sine", __doc__, defaults.plot, "run the meta-step eagerly (slow)")
     parser.add_argument("--iterations", type=int, default=defaults.iterations, help="meta-steps per method")
     parser.add_argument("--baseline-iterations", type=int, default=None, help="default: --iterations")
     parser.add_argument("--meta-batch", type=int, default=defaults.meta_batch)
     parser.add_argument("--eval-tasks", type=int, default=defaults.eval_tasks)
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--eager", action="store_true", help="run the meta-step eagerly (slow)")
-    parser.add_argument("--plot", default=defaults.plot, help="PNG path, or '' for none")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     return Config(
         iterations=args.iterations,
@@ -396,10 +388,7 @@ def _parse(argv: Optional[Sequence[str]]) -> Config:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    results = run(_parse(argv))
-    print()
-    print(report(results))
-    return results
+    return _report.run_and_print(run, report, _parse(argv))
 
 
 if __name__ == "__main__":

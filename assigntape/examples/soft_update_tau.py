@@ -28,7 +28,6 @@ fixed ones, and the PNG shows ``tau`` over training.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -180,15 +179,11 @@ def _plot(results: Dict[str, Any]) -> Optional[str]:
             [stream["learned"]["tau"][-1]], [stream["learned"]["final_target_loss"]], "*",
             ms=14, color=line.get_color(), label=f"{name}: learned tau",
         )
-    taus.set_yscale("log")
-    taus.set_xlabel("training step (model.fit, compiled)")
-    taus.set_ylabel("tau")
-    taus.set_title("Learned soft-update coefficient")
+    taus.set(yscale="log", xlabel="training step (model.fit, compiled)", ylabel="tau",
+             title="Learned soft-update coefficient")
     taus.legend()
-    sweep.set_xscale("log")
-    sweep.set_xlabel("tau (final)")
-    sweep.set_ylabel("target network's loss, last 10% of the stream")
-    sweep.set_title("Learned tau against fixed ones")
+    sweep.set(xscale="log", xlabel="tau (final)", ylabel="target network's loss, last 10% of the stream",
+              title="Learned tau against fixed ones")
     sweep.legend(fontsize=8)
     return _report.save(fig, results["config"]["plot"])
 
@@ -203,25 +198,16 @@ def report(results: Dict[str, Any]) -> str:
             f"  {name:<11} learned tau {learned['tau'][-1]:.3f} -> {learned['final_target_loss']:.3f}"
             f"   fixed tau {fixed}   (best fixed: {best:g})"
         )
-    lines.append(f"in {results['seconds']:.0f} s")
-    if results.get("plot"):
-        lines.append(f"plot: {results['plot']}")
-    return "\n".join(lines)
+    return "\n".join(lines + _report.footer(results))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     defaults = Config()
-    parser = argparse.ArgumentParser(prog="python -m assigntape.examples.soft_update_tau", description=__doc__.split("\n")[0])
+    parser = _report.parser("soft_update_tau", __doc__, defaults.plot, "model.fit with run_eagerly=True")
     parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--eager", action="store_true", help="model.fit with run_eagerly=True")
-    parser.add_argument("--plot", default=defaults.plot, help="PNG path, or '' for none")
-    parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     config = Config(steps=args.steps, run_eagerly=args.eager, plot=args.plot or None, progress=not args.quiet)
-    results = run(config)
-    print()
-    print(report(results))
-    return results
+    return _report.run_and_print(run, report, config)
 
 
 if __name__ == "__main__":
