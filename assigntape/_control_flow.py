@@ -4,7 +4,7 @@ graph around them.
 A tensor made in a branch cannot leave it, and the cond's gradient is
 TensorFlow's symbolic one, which never sees what the tape recorded inside. So in
 a branch the real write runs and, beside it, the variable's whole new value is
-built from plain ops (``_rules.BRANCH_VALUES``: the functional rewrite of each
+built from plain ops (``Rule.value``: the functional rewrite of each
 write); reads later in the branch get a handle whose registered gradient goes to
 that value. ``cond`` makes both branches return the values of every variable
 either wrote (``build_cond`` adds, to the branch that left a variable alone, its
@@ -48,12 +48,12 @@ def _branch_version_grad(op: Any, grad_handle: Any, grad_value: Any) -> List[Any
 
 
 def branch_write(
-    op_name: str, rule: _rules.OpRule, wrapped: Callable[..., Any], arguments: Dict[str, Any], branch: Any, var: Any
+    op_name: str, rule: _rules.Rule, wrapped: Callable[..., Any], arguments: Dict[str, Any], branch: Any, var: Any
 ) -> Any:
     """A write inside a ``tf.cond`` branch or loop body in the tape's graph.
 
     The real write runs. Beside it, the variable's new value is built from plain
-    ops (the functional rewrite of ``_rules.BRANCH_VALUES``, reading the previous
+    ops (the functional rewrite, ``Rule.value``, reading the previous
     version), and a handle is made whose symbolic gradient goes to that value, so
     reads later in the body differentiate correctly. The cond returns the value
     as an extra output (a loop, as its next state); ``cond`` and ``while_loop``
@@ -61,7 +61,7 @@ def branch_write(
     """
     old = branch.version_of(var)
     old_value = gen_resource_variable_ops.read_variable_op(old, var.dtype)
-    value = _rules.BRANCH_VALUES[op_name](old_value, arguments)
+    value = rule.value(old_value, arguments)
     if pywrap_tfe.TFE_Py_TapeSetIsStopped() or not any(t._recording for t in branch.scope.tapes):
         # Under stop_recording: a new version with no gradient path, as outside.
         value = array_ops.stop_gradient(value)
@@ -98,6 +98,7 @@ def _branch_version(branch: Any, var: Any, value: Any, after: Any) -> None:
     branch.versions[var._unique_id] = handle
     branch.values[var._unique_id] = (var, value)
     branch.scope.owners[id(handle)] = var
+    branch.scope.canonical[id(_versions.canonical_handle(var))] = var
 
 
 def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:

@@ -10,25 +10,25 @@ graph, once per function, and refused (or cut) before the function runs.
 
 from __future__ import annotations
 
-import warnings
 import weakref
-from typing import Any, Callable, List, Set
+from typing import Any, Callable, Dict, List, Optional
 
 from tensorflow.python.framework import dtypes
 from tensorflow.python.ops import resource_variable_ops
 
 from assigntape import _rules, _versions
-from assigntape._errors import UntrackedWriteError
+from assigntape._errors import ControlFlowWriteError
 from assigntape._wrapping import bind
 
 __all__ = ["call_function"]
 
 
-def _written_inputs(function: Any) -> List[int]:
-    """Positions of the function's inputs that ops in its graph write (cached)."""
+def _written_inputs(function: Any) -> Dict[int, str]:
+    """Positions of the function's inputs that ops in its graph write, each with
+    the type of one op that writes it (cached)."""
     cached = _function_writes.get(function)
     if cached is None:
-        cached = _function_writes[function] = sorted(_graph_writes(function.graph))
+        cached = _function_writes[function] = _graph_writes(function.graph)
     return cached
 
 
@@ -48,32 +48,36 @@ def _called_graphs(op: Any, graph: Any) -> List[Any]:
     return [f.graph for f in found if f is not None and getattr(f, "graph", None) is not None]
 
 
-def _graph_writes(graph: Any) -> Set[int]:
+def _graph_writes(graph: Any) -> Dict[int, str]:
     """Positions of ``graph.inputs`` written by its ops, or by the functions
-    they call, however deeply (cached per graph)."""
+    they call, however deeply, each with a writing op's type (cached per graph)."""
     cached = _graph_writes_cache.get(graph)
     if cached is not None:
         return cached
     position = {id(t): i for i, t in enumerate(graph.inputs)}
-    written: Set[int] = set()
+    written: Dict[int, str] = {}
     for op in graph.get_operations():
         if _writes_anything(op.type):
-            written.update(position[id(t)] for t in op.inputs if id(t) in position)
+            for t in op.inputs:
+                if id(t) in position:
+                    written.setdefault(position[id(t)], op.type)
             continue
         callees = _called_graphs(op, graph) if op.type not in _PLAIN_OPS else []
         if not callees:
             continue
         if op.type in ("PartitionedCall", "StatefulPartitionedCall") and len(callees) == 1:
             # A call passes its inputs to the callee's, one for one.
-            for i in _graph_writes(callees[0]):
+            for i, op_type in _graph_writes(callees[0]).items():
                 if i < len(op.inputs) and id(op.inputs[i]) in position:
-                    written.add(position[id(op.inputs[i])])
-        elif any(_graph_writes(g) for g in callees):
-            # Control flow maps inputs to bodies in op-specific ways: count every
-            # resource it is given as written.
-            written.update(
-                position[id(t)] for t in op.inputs if t.dtype == dtypes.resource and id(t) in position
-            )
+                    written.setdefault(position[id(op.inputs[i])], op_type)
+        else:
+            inner = [w for g in callees for w in _graph_writes(g).values()]
+            if inner:
+                # Control flow maps inputs to bodies in op-specific ways: count every
+                # resource it is given as written.
+                for t in op.inputs:
+                    if t.dtype == dtypes.resource and id(t) in position:
+                        written.setdefault(position[id(t)], inner[0])
     _graph_writes_cache[graph] = written
     return written
 
@@ -83,61 +87,104 @@ def _graph_writes(graph: Any) -> Set[int]:
 _PLAIN_OPS = frozenset(
     {"Placeholder", "Const", "Identity", "NoOp", "ReadVariableOp", "MatMul", "Mul", "AddV2", "Sub"}
 )
-_graph_writes_cache: "weakref.WeakKeyDictionary[Any, Set[int]]" = weakref.WeakKeyDictionary()
-_function_writes: "weakref.WeakKeyDictionary[Any, List[int]]" = weakref.WeakKeyDictionary()
+_graph_writes_cache: "weakref.WeakKeyDictionary[Any, Dict[int, str]]" = weakref.WeakKeyDictionary()
+_function_writes: "weakref.WeakKeyDictionary[Any, Dict[int, str]]" = weakref.WeakKeyDictionary()
+
+
+def _variable_behind(instance: Any, handle: Any, scope: Any) -> Optional[Any]:
+    """The variable whose handle a function was given or captured, if known."""
+    if scope is not None:
+        var = scope.canonical.get(id(handle))
+        if var is None:
+            var = scope.owners.get(id(handle))
+        if var is not None:
+            return var
+    try:
+        variables = instance.graph.variables
+    except AssertionError:
+        # A captured variable's Python object is gone; TensorFlow's own call
+        # raises the same error under any tape.
+        return None
+    for v in variables:
+        if isinstance(v, resource_variable_ops.BaseResourceVariable) and _versions.canonical_handle(v) is handle:
+            return v
+    return None
+
+
+def _name(instance: Any) -> str:
+    # The graph is named after the Python function; the function itself after
+    # the graph, with TensorFlow's prefix and a counter.
+    return str(instance.graph.name)
 
 
 def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``ConcreteFunction._call_flat`` under an eager tape.
+    """``ConcreteFunction._call_flat``, in an eager tape or in a tape's graph.
 
     A function keeps the handles it captured when it was traced: the variables'
-    own. Map each to the variable's current version, so the function reads it
-    and the gradient reaches it. A function that writes a tracked variable is
-    refused (or cut): its writes happen inside the graph, out of the tape's sight.
+    own (a function traced inside a tape's graph captures them too, see
+    ``_versions._enclosing_scope``). Map each to the variable's current
+    version, so that the function reads it and the gradient reaches it. A
+    function that writes a variable is refused (or, eagerly, cut): its writes
+    happen inside its graph, out of the tape's sight.
     """
-    scope = _versions.eager_scope()
-    if scope is None:
+    found = _versions.call_context()
+    if found is None:
+        if _versions._closed:
+            _note_closed_writes(instance, args, kwargs)
         return wrapped(*args, **kwargs)
+    scope, branch = found
     arguments = bind(("tensor_inputs", "captured_inputs"), args, kwargs)
     tensor_inputs = list(arguments["tensor_inputs"])
-    by_handle = {
-        id(_versions.canonical_handle(v)): v
-        for v in instance.graph.variables
-        if isinstance(v, resource_variable_ops.BaseResourceVariable)
-    }
-    captured_vars = [by_handle.get(id(h)) for h in arguments["captured_inputs"]]
-    captured = [
-        h if v is None else scope.current_version(v)
-        for h, v in zip(arguments["captured_inputs"], captured_vars)
-    ]
-    # Variables passed as arguments arrive as handles the descriptor served.
-    input_vars = [None if found is None else found[1] for found in map(_versions.owner, tensor_inputs)]
-    all_vars = input_vars + captured_vars
-    written = [
-        var
-        for var in (all_vars[i] for i in _written_inputs(instance) if i < len(all_vars))
-        if var is not None and _versions.differentiable(var) and scope.tracks(var)
-    ]
-    name = instance.name.decode() if isinstance(instance.name, bytes) else str(instance.name)
-    if written and scope.refuses_untracked():
-        raise UntrackedWriteError(
-            f"tf.function {name!r} writes variable {written[0].name!r}, which "
-            "an AssignAwareTape is tracking, and writes inside a function called from "
-            "an eager tape happen out of the tape's sight: reads after it would "
-            "credit the previous version, a silently wrong gradient. Open the tape "
-            "inside the function, call the function outside the tape, or pass "
-            "AssignAwareTape(untracked_writes='cut') to treat the write as a new "
-            "version with no gradient path."
-        )
+    captured_in = list(arguments["captured_inputs"])
+    captured = [h if v is None else _versions.version_in(scope, branch, v) for h, v in
+                ((h, scope.canonical.get(id(h))) for h in captured_in)]
+    written = _written_inputs(instance)
     if written:
-        warnings.warn(
-            f"AssignAwareTape: tf.function {name!r} wrote "
-            f"{written[0].name!r}; no gradient flows through that write "
-            "(untracked_writes='cut').",
-            stacklevel=3,
-        )
+        handles = tensor_inputs + captured_in
+        for i, op_type in sorted(written.items()):
+            if i >= len(handles):
+                continue
+            var = _variable_behind(instance, handles[i], scope)
+            if var is None or not _versions.differentiable(var):
+                continue
+            _refuse(scope, var, _name(instance), op_type)
     result = wrapped(tensor_inputs, captured)
-    for var in written:
-        old = scope.current_version(var)
-        scope.advance(var, old, _versions.new_version(old, None), _versions.WriteRecord(f"tf.function {name!r}", cut=True))
+    if written:
+        handles = tensor_inputs + captured_in
+        for i in sorted(written):
+            var = _variable_behind(instance, handles[i], scope) if i < len(handles) else None
+            if var is not None and _versions.differentiable(var):
+                _versions.cut([scope], var, f"tf.function {_name(instance)!r}")
     return result
+
+
+def _refuse(scope: Any, var: Any, name: str, op_type: str) -> None:
+    if scope.key is not None:
+        raise ControlFlowWriteError(
+            f"{op_type} to variable {var.name!r} inside tf.function {name!r}, called in "
+            "the function where an AssignAwareTape is open: a version made in the inner "
+            "function's graph cannot leave it. Inline the write (call the Python function "
+            "undecorated), write in tf.cond branches or tf.while_loop bodies, which the "
+            "tape follows, or open the tape inside the body."
+        )
+    _versions.refuse_or_cut(
+        [scope], var, f"tf.function {name!r}",
+        f"tf.function {name!r} writes variable {var.name!r} ({op_type}) while an "
+        "AssignAwareTape is open around the call, and writes inside a function called "
+        "from an eager tape happen out of the tape's sight: reads after it would credit "
+        "the previous version, a silently wrong gradient. Open the tape inside the "
+        "function, or call the function outside the tape.",
+    )
+
+
+def _note_closed_writes(instance: Any, args: Any, kwargs: Any) -> None:
+    """No tape open here, but a closed tape may be re-entered: tell it which of
+    its variables this function writes."""
+    written = _written_inputs(instance)
+    if not written:
+        return
+    arguments = bind(("tensor_inputs", "captured_inputs"), args, kwargs)
+    handles = list(arguments["tensor_inputs"]) + list(arguments["captured_inputs"])
+    for i in written:
+        if i < len(handles):
+            _versions.note_write_while_closed(handles[i])

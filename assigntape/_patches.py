@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import operator
 import threading
-import warnings
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.eager import record
+from tensorflow.python.eager import backprop, record
 from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
-from tensorflow.python.framework import ops
+from tensorflow.python.framework import dtypes, ops
+from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import (
     cond_v2,
     gen_array_ops,
@@ -44,7 +44,7 @@ from tensorflow.python.ops import (
     while_v2,
 )
 
-from assigntape import _control_flow, _diagnostics, _distribute, _functions, _rules, _versions
+from assigntape import _control_flow, _diagnostics, _distribute, _functions, _plain_tapes, _rules, _versions
 from assigntape._errors import UntrackedWriteError
 from assigntape._wrapping import Wrapper, bind
 
@@ -67,22 +67,39 @@ def _snake(op_name: str, module: Any) -> str:
     raise LookupError(op_name)
 
 
-def _tracked_write(op_name: str, rule: _rules.OpRule, params: Sequence[str]) -> Callable[..., Any]:
+def _other_thread(handle: Any, var: Any, op_name: str) -> None:
+    """Refuses a write to a variable that a tape open in another thread has
+    read or written: that tape would read the value written here while it
+    credits its own version."""
+    found = _versions.tracked_in_other_thread(handle, var)
+    if found is not None and _versions.differentiable(found):
+        raise UntrackedWriteError(
+            f"{op_name} to variable {found.name!r} from thread {threading.current_thread().name!r}, "
+            "while an AssignAwareTape open in another thread has read or written it: that "
+            "tape would read the value written here and credit its own version, a silently "
+            "wrong gradient. Write the variable from the tape's thread, or after its tape closes."
+        )
+
+
+def _tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         arguments = bind(params, args, kwargs)
-        found = _versions.owner(arguments.get(rule.resource_arg))
+        handle = arguments.get(rule.resource_arg)
+        found = _versions.owner(handle)
         if found is None or not _versions.differentiable(found[1]):
+            _other_thread(handle, None, op_name)
+            _versions.note_write_while_closed(handle)
             return wrapped(*args, **kwargs)
         scope, var = found
+        _other_thread(handle, var, op_name)
         branch = _versions.check_writable_here(scope, var, op_name)
         for name in rule.value_args:
             arguments[name] = ops.convert_to_tensor(arguments[name], dtype=var.dtype)
-        if branch is _versions.STAGING:
-            return wrapped(**arguments)
         if branch is not None:
             return _control_flow.branch_write(op_name, rule, wrapped, arguments, branch, var)
         old = scope.current_version(var)
         write = rule.prepare(var, old, arguments)
+        old_shape = None if var.shape.is_fully_defined() else _versions.dynamic_shape(old)
         # The real write. If it raises (bad shape or dtype, duplicate indices),
         # nothing below runs: the tape and the variable stay as they were.
         if write.checks:
@@ -90,6 +107,7 @@ def _tracked_write(op_name: str, rule: _rules.OpRule, params: Sequence[str]) -> 
                 result = wrapped(**arguments)
         else:
             result = wrapped(**arguments)
+        _versions.note_write_while_closed(handle, var)
         new = _versions.new_version(old, result)
         if write.reads_old:
             # A partial write reads the old value, but a variable that was never
@@ -99,7 +117,7 @@ def _tracked_write(op_name: str, rule: _rules.OpRule, params: Sequence[str]) -> 
             resource_variable_ops.variable_accessed(var)
         record.record_operation(op_name, [new], write.inputs, write.backward)
         recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
-        scope.advance(var, old, new, _versions.WriteRecord(op_name, recorded=recorded))
+        scope.advance(var, old, new, _versions.WriteRecord(op_name, recorded=recorded, old_shape=old_shape))
         return result
 
     return wrapper
@@ -108,30 +126,28 @@ def _tracked_write(op_name: str, rule: _rules.OpRule, params: Sequence[str]) -> 
 def _untracked_write(op_name: str, params: Sequence[str]) -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         arguments = bind(params, args, kwargs)
-        hits = [h for h in map(_versions.owner, arguments.values()) if h is not None]
+        handles = [a for a in arguments.values() if isinstance(a, tensor_lib.Tensor) and a.dtype == dtypes.resource]
+        hits = [h for h in map(_versions.owner, handles) if h is not None]
         hits = [(scope, var) for scope, var in hits if _versions.differentiable(var)]
+        for h in handles:
+            _other_thread(h, None, op_name)
         if not hits:
+            for h in handles:
+                _versions.note_write_while_closed(h)
             return wrapped(*args, **kwargs)
         scope, var = hits[0]
-        if scope.refuses_untracked():
-            raise UntrackedWriteError(
-                f"{op_name} wrote variable {var.name!r}, which an AssignAwareTape is "
-                "tracking, and the tape cannot differentiate that op: reads after it "
-                "would credit the previous version, a silently wrong gradient. Write "
-                "with tracked ops instead (v.assign / assign_add / assign_sub, scatter "
-                "and slice writes, or a Keras 3 optimizer, whose steps are made of "
-                "them), or pass AssignAwareTape(untracked_writes='cut') to treat this "
-                "write as a new version with no gradient path."
-            )
-        warnings.warn(
-            f"AssignAwareTape: {op_name} wrote {var.name!r}; no gradient flows "
-            "through that write (untracked_writes='cut').",
-            stacklevel=3,
+        _versions.refuse_or_cut(
+            [scope], var, op_name,
+            f"{op_name} wrote variable {var.name!r}, which an AssignAwareTape is tracking, "
+            "and the tape cannot differentiate that op: reads after it would credit the "
+            "previous version, a silently wrong gradient. Write with tracked ops instead "
+            "(v.assign / assign_add / assign_sub, scatter and slice writes, or a Keras 3 "
+            "optimizer, whose steps are made of them).",
         )
         result = wrapped(*args, **kwargs)
         for scope, var in hits:
-            old = scope.current_version(var)
-            scope.advance(var, old, _versions.new_version(old, result), _versions.WriteRecord(op_name, cut=True))
+            _versions.note_write_while_closed(None, var)
+            _versions.cut([scope], var, op_name, result)
         return result
 
     return wrapper
@@ -215,6 +231,10 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # Cross-replica updates (_distribute). ``update`` is defined once, on the
         # base class, and every strategy's ``extended`` inherits it.
         (distribute_lib.StrategyExtendedV2, "update", _distribute.distributed_update),
+        # Plain tapes beside ours name variables as ours do (_plain_tapes).
+        (backprop.GradientTape, "__enter__", _plain_tapes.enter),
+        (backprop.GradientTape, "__exit__", _plain_tapes.exit),
+        (backprop.GradientTape, "gradient", _plain_tapes.gradient),
         # tf.cond and graph loops, which TensorFlow calls through the module
         # attributes (_control_flow).
         (cond_v2, "cond_v2", _control_flow.cond),

@@ -2,35 +2,43 @@
 
 Writes are intercepted at the op wrappers (``gen_*_ops``), so one rule serves
 every path to an op: ``v.assign``, ``tf.compat.v1.assign``, ``tf.raw_ops``,
-checkpoint restore, Keras. A rule turns the op's arguments into a ``Write``: the
-inputs of the op recorded on the tape (the previous version first when the write
-keeps part of it) and the backward function that routes the gradient arriving
-at the new version back to them.
+checkpoint restore, Keras. A rule has two forms of the same write, built from
+one description (the ``COMBINES`` table below):
 
-Every rule agrees with the functional rewrite of its write:
-``assign`` -> value; ``assign_add`` / ``assign_sub`` -> old +- delta; scatter
-writes -> ``tf.tensor_scatter_nd_update`` / ``_add`` / ``_sub`` / ``_min`` /
-``_max`` (and the matching product and quotient); slice writes ->
-``tf.tensor_scatter_nd_update`` of the slice.
+* ``value(old, args)``: the functional rewrite, the variable's whole new value
+  from plain TensorFlow ops. Inside a ``tf.cond`` branch or a loop body this is
+  what TensorFlow's own gradient differentiates.
+* ``prepare(var, old, args)``: for the eager tape (and a tape's own graph), a
+  ``Write``: the inputs of the op recorded on the tape (the previous version
+  first when the write keeps part of it) and the backward function that routes
+  the gradient arriving at the new version back to them. The backward functions
+  are vector-Jacobian products of ``value``, made of differentiable ops only
+  (higher order is promised) and with TensorFlow's conventions: the conjugate
+  for complex dtypes, gradients summed over broadcast dimensions, and written
+  parts of the previous version masked with zeros, never ``g - g`` (which is
+  NaN where ``g`` is infinite).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from tensorflow.python.eager import context, record
-from tensorflow.python.framework import dtypes, indexed_slices, ops
+from tensorflow.python.framework import indexed_slices, ops
 from tensorflow.python.ops import (
     array_ops,
     check_ops,
     gen_array_ops,
     gen_resource_variable_ops,
     math_ops,
+    resource_variable_ops,
 )
 
 from assigntape._errors import DuplicateIndicesError
 
-__all__ = ["Write", "OpRule", "RULES", "BRANCH_VALUES", "UNDIFFERENTIABLE_PREFIXES"]
+__all__ = ["Write", "Rule", "RULES", "COMBINES", "UNDIFFERENTIABLE_PREFIXES"]
+
+Args = Dict[str, Any]
 
 
 class Write(NamedTuple):
@@ -40,10 +48,11 @@ class Write(NamedTuple):
     checks: List[Any]  # graph-mode assertions the write must wait for
 
 
-class OpRule(NamedTuple):
+class Rule(NamedTuple):
     resource_arg: str  # the name of the op wrapper's resource argument
-    value_args: tuple  # arguments converted to the variable's dtype
-    prepare: Callable[[Any, Any, Dict[str, Any]], Write]  # (var, old handle, args)
+    value_args: Tuple[str, ...]  # arguments converted to the variable's dtype
+    prepare: Callable[[Any, Any, Args], Write]  # (var, old handle, args) -> Write
+    value: Callable[[Any, Args], Any]  # (old value, args) -> new value
 
 
 def _dense(g: Any) -> Any:
@@ -60,32 +69,89 @@ def _negate(g: Any) -> Any:
     return math_ops.negative(g)
 
 
+def _unbroadcast(g: Any, like: Any) -> Any:
+    """Sums ``g`` down to the shape of ``like``, which was broadcast to ``g``'s."""
+    like = ops.convert_to_tensor(like)
+    if g.shape.is_fully_defined() and g.shape == like.shape:
+        return g
+    g_shape, like_shape = array_ops.shape(g), array_ops.shape(like)
+    _, axes = gen_array_ops.broadcast_gradient_args(g_shape, like_shape)
+    return array_ops.reshape(math_ops.reduce_sum(g, axes), like_shape)
+
+
+def _broadcast(value: Any, like: Any) -> Any:
+    value = ops.convert_to_tensor(value)
+    if value.shape.is_fully_defined() and value.shape == like.shape:
+        return value
+    return array_ops.broadcast_to(value, array_ops.shape(like))
+
+
+# -- how a write combines the previous rows with the written values -------------
+#
+# name -> (forward(rows, u), vjp(rows, u, g) -> (g_rows, g_u)); ``u`` already has
+# the shape of ``rows``. The VJPs are TensorFlow's own for the same ops (Mul,
+# RealDiv/Div, and Select for min/max, a tie going to the previous value).
+Combine = Tuple[Callable[[Any, Any], Any], Optional[Callable[[Any, Any, Any], Tuple[Any, Any]]]]
+
+
+def _mul_vjp(rows: Any, u: Any, g: Any) -> Tuple[Any, Any]:
+    return g * math_ops.conj(u), g * math_ops.conj(rows)
+
+
+def _div_vjp(rows: Any, u: Any, g: Any) -> Tuple[Any, Any]:
+    cu = math_ops.conj(u)
+    return g / cu, g * (-math_ops.conj(rows) / cu / cu)
+
+
+def _select_vjp(keep_old: Callable[[Any, Any], Any]) -> Callable[[Any, Any, Any], Tuple[Any, Any]]:
+    def vjp(rows: Any, u: Any, g: Any) -> Tuple[Any, Any]:
+        keep, zeros = keep_old(rows, u), array_ops.zeros_like(g)
+        return array_ops.where(keep, g, zeros), array_ops.where(keep, zeros, g)
+
+    return vjp
+
+
+def _ge(rows: Any, u: Any) -> Any:
+    return math_ops.greater_equal(rows, u)
+
+
+def _le(rows: Any, u: Any) -> Any:
+    return math_ops.less_equal(rows, u)
+
+
+COMBINES: Dict[str, Combine] = {
+    # ``update`` ignores the rows: no VJP through them.
+    "update": (lambda rows, u: u, None),
+    "mul": (lambda rows, u: rows * u, _mul_vjp),
+    "div": (lambda rows, u: rows / u, _div_vjp),
+    "max": (lambda rows, u: array_ops.where(_ge(rows, u), rows, u), _select_vjp(_ge)),
+    "min": (lambda rows, u: array_ops.where(_le(rows, u), rows, u), _select_vjp(_le)),
+}
+
+
 # -- whole-variable writes ---------------------------------------------------
 
 
-def _assign(var: Any, old: Any, args: Dict[str, Any]) -> Write:
-    return Write([args["value"]], lambda g: [g], False, [])
+def _whole(kind: str) -> Rule:
+    sign = {"assign": 0, "assign_add": 1, "assign_sub": -1}[kind]
 
+    def value(old: Any, args: Args) -> Any:
+        return args["value"] if sign == 0 else old + args["value"] if sign > 0 else old - args["value"]
 
-def _assign_add(var: Any, old: Any, args: Dict[str, Any]) -> Write:
-    return Write([old, args["value"]], lambda g: [g, g], True, [])
+    def prepare(var: Any, old: Any, args: Args) -> Write:
+        if sign == 0:
+            return Write([args["value"]], lambda g: [g], False, [])
+        if sign > 0:
+            return Write([old, args["value"]], lambda g: [g, g], True, [])
+        return Write([old, args["value"]], lambda g: [g, _negate(g)], True, [])
 
-
-def _assign_sub(var: Any, old: Any, args: Dict[str, Any]) -> Write:
-    return Write([old, args["value"]], lambda g: [g, _negate(g)], True, [])
+    return Rule("resource", ("value",), prepare, value)
 
 
 # -- scatter writes ------------------------------------------------------------
 #
 # Both index forms are handled as scatter_nd: ``scatter_*(indices)`` addresses
 # rows, which is ``scatter_nd_*(indices[..., None])``.
-
-
-def _sum_to(g: Any, like: Any) -> Any:
-    """Sums a gradient down to the shape of ``like`` (updates may broadcast)."""
-    if like.shape.rank == 0 and g.shape.rank != 0:
-        return math_ops.reduce_sum(g)
-    return g
 
 
 def _linear(nd_indices: Any, var: Any) -> Any:
@@ -114,53 +180,62 @@ def _no_duplicates(var: Any, nd_indices: Any, op_name: str) -> List[Any]:
     return [check_ops.assert_equal(unique, array_ops.size(flat), message=message)]
 
 
-def _rows_of(var: Any, old: Any, nd_indices: Any) -> Any:
-    """The touched part of the previous version, as a constant for the backward."""
+def _recorded_rows(var: Any, old: Any, idx: Any) -> Any:
+    """The written rows of the previous version, recorded as a read of it, so
+    that a second derivative reaches the previous version through them. Only
+    the indices and the shape are kept for the backward pass."""
+    # A partial write's previous version must be watched, as a read of it would be.
+    resource_variable_ops.variable_accessed(var)
     with record.stop_recording():
-        value = gen_resource_variable_ops.read_variable_op(old, var.dtype)
-        return array_ops.gather_nd(value, nd_indices)
+        rows = array_ops.gather_nd(gen_resource_variable_ops.read_variable_op(old, var.dtype), idx)
+        shape = gen_resource_variable_ops.variable_shape(old, out_type=idx.dtype)
+
+    def backward(g: Any) -> List[Any]:
+        return [array_ops.scatter_nd(idx, _dense(g), shape)]
+
+    record.record_operation("AssigntapeGatherRows", [rows], [old], backward)
+    return rows
 
 
-def _scatter(combine: str, nd_form: bool) -> Callable[[Any, Any, Dict[str, Any]], Write]:
+def _nd(indices: Any, nd_form: bool) -> Any:
+    indices = ops.convert_to_tensor(indices)
+    return indices if nd_form else array_ops.expand_dims(indices, -1)
+
+
+def _scatter(combine: str, nd_form: bool) -> Rule:
     op_name = ("ResourceScatterNd" if nd_form else "ResourceScatter") + combine.capitalize()
+    additive = combine in ("add", "sub")
+    forward, vjp = (None, None) if additive else COMBINES[combine]
 
-    def prepare(var: Any, old: Any, args: Dict[str, Any]) -> Write:
-        indices = ops.convert_to_tensor(args["indices"])
-        idx = indices if nd_form else array_ops.expand_dims(indices, -1)
+    def value(old: Any, args: Args) -> Any:
+        idx = _nd(args["indices"], nd_form)
+        rows = array_ops.gather_nd(old, idx)
+        u = _broadcast(args["updates"], rows)
+        if additive:
+            scatter = gen_array_ops.tensor_scatter_add if combine == "add" else gen_array_ops.tensor_scatter_sub
+            return scatter(old, idx, u)
+        return gen_array_ops.tensor_scatter_update(old, idx, forward(rows, u))
+
+    def prepare(var: Any, old: Any, args: Args) -> Write:
+        idx = _nd(args["indices"], nd_form)
         updates = args["updates"]
-        checks: List[Any] = []
-        rows: Optional[Any] = None
-        if combine not in ("add", "sub"):
-            checks = _no_duplicates(var, idx, op_name)
-        if combine in ("mul", "div", "min", "max"):
-            rows = _rows_of(var, old, idx)
+        checks = [] if additive else _no_duplicates(var, idx, op_name)
+        rows = None if vjp is None else _recorded_rows(var, old, idx)
 
         def backward(g: Any) -> List[Any]:
             g = _dense(g)
             g_rows = array_ops.gather_nd(g, idx)
-            if combine == "add":
-                return [g, _sum_to(g_rows, updates)]
-            if combine == "sub":
-                return [g, _sum_to(-g_rows, updates)]
-            if combine == "update":
-                g_old = array_ops.tensor_scatter_nd_update(g, idx, array_ops.zeros_like(g_rows))
-                return [g_old, _sum_to(g_rows, updates)]
-            u = updates + array_ops.zeros_like(rows)  # broadcast a scalar update
-            if combine == "mul":
-                g_kept, g_u = g_rows * u, g_rows * rows
-            elif combine == "div":
-                g_kept, g_u = g_rows / u, -g_rows * rows / (u * u)
+            if additive:
+                return [g, _unbroadcast(g_rows if combine == "add" else -g_rows, updates)]
+            if rows is None:  # update: the written rows forget the old ones
+                g_kept, g_u = array_ops.zeros_like(g_rows), g_rows
             else:
-                # As tf.maximum / tf.minimum: a tie goes to the previous value.
-                keep = rows >= u if combine == "max" else rows <= u
-                keep = math_ops.cast(keep, g.dtype)
-                g_kept, g_u = g_rows * keep, g_rows * (1 - keep)
-            g_old = array_ops.tensor_scatter_nd_update(g, idx, g_kept)
-            return [g_old, _sum_to(g_u, updates)]
+                g_kept, g_u = vjp(rows, _broadcast(updates, rows), g_rows)
+            return [gen_array_ops.tensor_scatter_update(g, idx, g_kept), _unbroadcast(g_u, updates)]
 
         return Write([old, updates], backward, True, checks)
 
-    return prepare
+    return Rule("ref" if nd_form else "resource", ("updates",), prepare, value)
 
 
 # -- slice writes --------------------------------------------------------------
@@ -168,79 +243,48 @@ def _scatter(combine: str, nd_form: bool) -> Callable[[Any, Any, Dict[str, Any]]
 _MASKS = ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")
 
 
-def _slice_assign(var: Any, old: Any, args: Dict[str, Any]) -> Write:
-    begin, end, strides = args["begin"], args["end"], args["strides"]
-    masks = {m: args.get(m, 0) for m in _MASKS}
+def _slice_args(args: Args) -> Tuple[Any, Any, Any, Dict[str, Any]]:
+    return args["begin"], args["end"], args["strides"], {m: args.get(m, 0) for m in _MASKS}
+
+
+def _slice_value(old: Any, args: Args) -> Any:
+    begin, end, strides, masks = _slice_args(args)
+    part = array_ops.strided_slice(old, begin, end, strides, **masks)
+    return gen_array_ops.tensor_strided_slice_update(
+        old, begin, end, strides, _broadcast(args["value"], part), **masks
+    )
+
+
+def _slice_assign(var: Any, old: Any, args: Args) -> Write:
+    begin, end, strides, masks = _slice_args(args)
+    value = args["value"]
 
     def backward(g: Any) -> List[Any]:
         g = _dense(g)
-        g_value = array_ops.strided_slice(g, begin, end, strides, **masks)
-        placed = gen_array_ops.strided_slice_grad(
-            array_ops.shape(g, out_type=dtypes.as_dtype(ops.convert_to_tensor(begin).dtype)),
-            begin, end, strides, g_value, **masks,
+        g_part = array_ops.strided_slice(g, begin, end, strides, **masks)
+        g_old = gen_array_ops.tensor_strided_slice_update(
+            g, begin, end, strides, array_ops.zeros_like(g_part), **masks
         )
-        return [g - placed, g_value]
+        return [g_old, _unbroadcast(g_part, value)]
 
-    return Write([old, args["value"]], backward, True, [])
+    return Write([old, value], backward, True, [])
 
 
 # -- the registry ----------------------------------------------------------------
 
-_V = ("value",)
-_U = ("updates",)
-
-RULES: Dict[str, OpRule] = {
-    "AssignVariableOp": OpRule("resource", _V, _assign),
-    "AssignAddVariableOp": OpRule("resource", _V, _assign_add),
-    "AssignSubVariableOp": OpRule("resource", _V, _assign_sub),
-    "ResourceStridedSliceAssign": OpRule("ref", _V, _slice_assign),
+RULES: Dict[str, Rule] = {
+    "AssignVariableOp": _whole("assign"),
+    "AssignAddVariableOp": _whole("assign_add"),
+    "AssignSubVariableOp": _whole("assign_sub"),
+    "ResourceStridedSliceAssign": Rule("ref", ("value",), _slice_assign, _slice_value),
 }
 for _combine in ("update", "add", "sub", "mul", "div", "min", "max"):
-    RULES["ResourceScatter" + _combine.capitalize()] = OpRule("resource", _U, _scatter(_combine, False))
+    RULES["ResourceScatter" + _combine.capitalize()] = _scatter(_combine, nd_form=False)
 for _combine in ("update", "add", "sub", "min", "max"):
-    RULES["ResourceScatterNd" + _combine.capitalize()] = OpRule("ref", _U, _scatter(_combine, True))
-
-# Inside a tf.cond branch, a write is replayed as the variable's whole new value,
-# from plain ops, which the cond's symbolic gradient can differentiate: the
-# functional rewrite itself. Writes without an entry are refused in branches.
-def _scatter_value(combine: str, nd_form: bool) -> Callable[[Any, Dict[str, Any]], Any]:
-    def value(old: Any, args: Dict[str, Any]) -> Any:
-        indices = ops.convert_to_tensor(args["indices"])
-        idx = indices if nd_form else array_ops.expand_dims(indices, -1)
-        rows = array_ops.gather_nd(old, idx)
-        u = args["updates"] + array_ops.zeros_like(rows)  # broadcast a scalar update
-        if combine in ("mul", "div"):
-            return array_ops.tensor_scatter_nd_update(old, idx, rows * u if combine == "mul" else rows / u)
-        scatter = {
-            "update": gen_array_ops.tensor_scatter_update,
-            "add": gen_array_ops.tensor_scatter_add,
-            "sub": gen_array_ops.tensor_scatter_sub,
-            "min": gen_array_ops.tensor_scatter_min,
-            "max": gen_array_ops.tensor_scatter_max,
-        }[combine]
-        return scatter(old, idx, u)
-
-    return value
-
-
-def _slice_value(old: Any, args: Dict[str, Any]) -> Any:
-    masks = {m: args.get(m, 0) for m in _MASKS}
-    return gen_array_ops.tensor_strided_slice_update(
-        old, args["begin"], args["end"], args["strides"], args["value"], **masks
-    )
-
-
-BRANCH_VALUES: Dict[str, Callable[[Any, Dict[str, Any]], Any]] = {
-    "AssignVariableOp": lambda old, args: args["value"],
-    "AssignAddVariableOp": lambda old, args: old + args["value"],
-    "AssignSubVariableOp": lambda old, args: old - args["value"],
-    "ResourceStridedSliceAssign": _slice_value,
-}
-for _combine in ("update", "add", "sub", "mul", "div", "min", "max"):
-    BRANCH_VALUES["ResourceScatter" + _combine.capitalize()] = _scatter_value(_combine, False)
-for _combine in ("update", "add", "sub", "min", "max"):
-    BRANCH_VALUES["ResourceScatterNd" + _combine.capitalize()] = _scatter_value(_combine, True)
+    RULES["ResourceScatterNd" + _combine.capitalize()] = _scatter(_combine, nd_form=True)
 
 # Ops that write variables and that the tape does not differentiate: the fused
 # optimizer kernels of legacy Keras 2 (tf_keras) and tf.compat.v1 optimizers.
 UNDIFFERENTIABLE_PREFIXES = ("ResourceApply", "ResourceSparseApply")
+
+del _combine

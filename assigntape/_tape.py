@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import tensorflow as tf
-from tensorflow.python.ops import array_ops, resource_variable_ops
+from tensorflow.python.ops import array_ops, gen_resource_variable_ops, resource_variable_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
@@ -85,20 +86,41 @@ class AssignAwareTape(tf.GradientTape):
         self._writes: Dict[str, List[_versions.WriteRecord]] = {}
         # Where recorded values left TensorFlow (file:line), for explain().
         self._escapes: List[str] = []
+        # Whether the tape was entered (since construction or reset()).
+        self._entered = False
+        # While the tape is closed but may be entered again or asked for
+        # gradients: the patches stay installed, so that writes made meanwhile
+        # are seen (unique ids collected here), until ``_end_lease``.
+        self._written_while_closed: Set[str] = set()
+        self._lease: Optional[weakref.finalize] = None
 
     # -- context ---------------------------------------------------------------
 
     def __enter__(self) -> "AssignAwareTape":
         super().__enter__()  # raises, with nothing acquired, if already recording
         _patches.acquire()
+        self._end_lease()
         scope = self._scope = _versions.open_scope(self)
-        if not self._start and not self._versions:
+        if not self._entered:
+            self._entered = True
             self._start = dict(scope.current)
-        else:
-            # Re-entered after an exit: carry on from this tape's latest versions
-            # (unless a tape still open kept newer ones).
-            for uid, versions in self._versions.items():
-                scope.current.setdefault(uid, versions[-1])
+            return self
+        # Entered again: carry on from this tape's latest versions (unless a tape
+        # still open kept newer ones). A variable written while the tape was
+        # closed gets a new version with no gradient path, as a write under
+        # stop_recording() does: that write was not recorded.
+        for uid, versions in self._versions.items():
+            var = self._owners[id(versions[0])]
+            if uid in scope.current:
+                continue
+            scope.current[uid] = versions[-1]
+            scope.owners[id(versions[-1])] = var
+            scope.canonical[id(_versions.canonical_handle(var))] = var
+            if uid in self._written_while_closed:
+                old = versions[-1]
+                scope.advance(var, old, _versions.new_version(old, None),
+                              _versions.WriteRecord("a write while the tape was closed", cut=True))
+        self._written_while_closed.clear()
         return self
 
     def __exit__(self, typ: Any, value: Any, traceback: Any) -> None:
@@ -108,16 +130,46 @@ class AssignAwareTape(tf.GradientTape):
             if self._scope is not None:
                 _versions.close_scope(self._scope, self)
                 self._scope = None
+                if self._versions and self._tape is not None:
+                    self._start_lease()
                 _patches.release()
+
+    def _written_variables(self) -> List[Any]:
+        return [self._owners[id(versions[0])] for versions in self._versions.values()]
+
+    def _start_lease(self) -> None:
+        """Keeps the patches installed while the tape is closed, and has writes
+        to the variables it wrote noted, for when it is entered again."""
+        variables = self._written_variables()
+        _versions.watch_while_closed(self, variables)
+        _patches.acquire()
+        self._lease = weakref.finalize(self, _release_lease, variables)
+
+    def _end_lease(self) -> None:
+        if self._lease is not None and self._lease.alive:
+            _versions.unwatch(self, self._written_variables())
+            self._lease()
+        self._lease = None
 
     def reset(self) -> None:
         """Clears the tape, as ``tf.GradientTape.reset``; versions start again here."""
         super().reset()
+        self._end_lease()
         self._versions.clear()
         self._owners.clear()
         self._writes.clear()
         self._escapes.clear()
+        self._written_while_closed.clear()
+        self._entered = self._scope is not None
         self._start = dict(self._scope.current) if self._scope is not None else {}
+
+    def watched_variables(self) -> Tuple[Any, ...]:
+        """The variables the tape watches, as ``tf.GradientTape.watched_variables``:
+        each once, however many versions of it were read."""
+        seen: Dict[str, Any] = {}
+        for var in super().watched_variables():
+            seen.setdefault(getattr(var, "_unique_id", id(var)), var)
+        return tuple(seen.values())
 
     def _note_write(self, var: Any, old: Any, new: Any, write: _versions.WriteRecord) -> None:
         if not self._recording:  # inside this tape's stop_recording()
@@ -250,9 +302,6 @@ class AssignAwareTape(tf.GradientTape):
         Returns:
           Gradients in the structure of ``sources``.
         """
-        if not self._versions and not self._start:
-            # No version other than the variables' own handles: plain TensorFlow.
-            return super().gradient(target, sources, output_gradients, unconnected_gradients)
         if target is None:
             return super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_sources = nest.flatten(sources)
@@ -282,7 +331,27 @@ class AssignAwareTape(tf.GradientTape):
                 self._zeros_for(raw, mapped) if g is None else g
                 for g, raw, mapped in zip(flat_grads, flat_sources, mapped_sources)
             ]
+        if not self._persistent:
+            self._end_lease()
         return nest.pack_sequence_as(sources, flat_grads)
+
+    def jacobian(self, target: Any, sources: Any, *args: Any, **kwargs: Any) -> Any:
+        """As ``tf.GradientTape.jacobian``; a variable target means its latest version."""
+        return super().jacobian(self._target_value(target), sources, *args, **kwargs)
+
+    def batch_jacobian(self, target: Any, source: Any, *args: Any, **kwargs: Any) -> Any:
+        """As ``tf.GradientTape.batch_jacobian``; a variable target means its latest
+        version, a variable source its value at the start of the tape."""
+        return super().batch_jacobian(self._target_value(target), source, *args, **kwargs)
+
+    def _target_value(self, target: Any) -> Any:
+        """A variable target's latest version, read on this tape: TensorFlow's
+        jacobians reshape the target, which would read the variable's own handle."""
+        var = _as_tf_variable(target)
+        if var is None:
+            return target
+        with self._ensure_recording():
+            return gen_resource_variable_ops.read_variable_op(self._versions_of(var)[-1], var.dtype)
 
     # -- diagnostics -----------------------------------------------------------
 
@@ -350,10 +419,24 @@ class AssignAwareTape(tf.GradientTape):
 
     def _zeros_for(self, raw: Any, mapped: Any) -> Any:
         # TensorFlow cannot build zeros for a raw resource handle (it has no
-        # float shape or dtype); build them from the variable's own.
+        # float shape or dtype); build them from the variable's own, or, where
+        # its shape is not fully defined, from the version's.
         var = _as_tf_variable(raw)
         if var is None:
             var = self._owners.get(id(mapped))
-        if var is not None:
+        if var is None:
+            return array_ops.zeros_like(mapped)
+        if var.shape.is_fully_defined():
             return array_ops.zeros(var.shape, dtype=var.dtype)
-        return array_ops.zeros_like(mapped)
+        versions = self._versions.get(var._unique_id, ())
+        for handle, write in zip(versions, self._writes.get(var._unique_id, [])):
+            if handle is mapped and write.old_shape is not None:
+                return array_ops.zeros(write.old_shape, dtype=var.dtype)
+        return array_ops.zeros(_versions.dynamic_shape(mapped), dtype=var.dtype)
+
+
+def _release_lease(variables: List[Any]) -> None:
+    # A closed tape is gone (or done): the patches may go, and its variables
+    # need no more watching.
+    _versions.forget_closed(variables)
+    _patches.release()

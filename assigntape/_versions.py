@@ -18,11 +18,14 @@ every read of every kind goes to the current version.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 from tensorflow.python.eager import context, record
 from tensorflow.python.framework import ops, tensor as tensor_lib
 from tensorflow.python.ops import array_ops
+from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph as _CONTROL_FLOW_GRAPH
 
 if TYPE_CHECKING:  # pragma: no cover
     from assigntape._tape import AssignAwareTape
@@ -61,12 +64,15 @@ class WriteRecord(NamedTuple):
     cut: bool = False
     # False when the write ran under stop_recording: no tape recorded it.
     recorded: bool = True
+    # The previous version's shape, where the variable's shape is not fully
+    # defined (a write may change it): zeros for that version need it.
+    old_shape: Any = None
 
 
 class Scope:
     """The versions of one thread in one graph (``None`` for eager execution)."""
 
-    __slots__ = ("key", "thread", "current", "owners", "tapes")
+    __slots__ = ("key", "thread", "current", "owners", "tapes", "seen", "canonical", "pinned")
 
     def __init__(self, key: Any) -> None:
         self.key = key
@@ -77,9 +83,19 @@ class Scope:
         # same versions as the variable it came from.
         self.current: Dict[str, Any] = {}
         # id(handle tensor) -> the variable it was served for. Write ops receive
-        # only a handle; this finds the variable. Every handle in here is kept
-        # alive by its variable or by ``current`` / a tape, so ids are not reused.
+        # only a handle; this finds the variable. The variable keeps its own
+        # handle alive and ``pinned`` every version made here, so no id in here
+        # can be reused by another object while the scope lives (``reset()``
+        # drops a tape's versions, not the scope's).
         self.owners: Dict[int, Any] = {}
+        self.pinned: List[Any] = []
+        # Unique ids of the variables read or written here: what another thread
+        # must not write behind this scope's back.
+        self.seen: Set[str] = set()
+        # id(the variable's own handle) -> variable, for the variables written
+        # here: a traced function captures that handle, and a call maps it to
+        # the current version (``_functions``).
+        self.canonical: Dict[int, Any] = {}
         # Open AssignAwareTapes in this scope, outermost first.
         self.tapes: List["AssignAwareTape"] = []
 
@@ -89,14 +105,18 @@ class Scope:
 
     def advance(self, var: Any, old: Any, new: Any, write: "WriteRecord") -> None:
         """Makes ``new`` the variable's current version, for every open tape."""
-        self.current[var._unique_id] = new
+        uid = var._unique_id
+        self.current[uid] = new
         self.owners[id(new)] = var
+        self.pinned.append(new)
+        self.seen.add(uid)
+        self.canonical[id(canonical_handle(var))] = var
         for tape in self.tapes:
             tape._note_write(var, old, new, write)
 
     def tracks(self, var: Any) -> bool:
         """Whether the tape has seen this variable (read or written)."""
-        return var._unique_id in self.current or any(v is var for v in self.owners.values())
+        return var._unique_id in self.seen
 
     def refuses_untracked(self) -> bool:
         return any(tape._untracked_writes == "raise" for tape in self.tapes)
@@ -132,9 +152,18 @@ def close_scope(scope: Scope, tape: "AssignAwareTape") -> None:
     if not scope.tapes:
         scope.current.clear()
         scope.owners.clear()
+        scope.pinned.clear()
+        scope.seen.clear()
+        scope.canonical.clear()
         _scopes().pop(scope.key, None)
         with _all_lock:
             _all_scopes.remove(scope)
+
+
+def _other_threads() -> List[Scope]:
+    me = threading.get_ident()
+    with _all_lock:
+        return [scope for scope in _all_scopes if scope.thread != me]
 
 
 def tracked_elsewhere(variables: Any) -> bool:
@@ -144,10 +173,101 @@ def tracked_elsewhere(variables: Any) -> bool:
     cross-replica update (inside ``merge_call``) in yet another, where the
     replicas' versions are not visible.
     """
-    me = threading.get_ident()
-    with _all_lock:
-        others = [scope for scope in _all_scopes if scope.thread != me]
+    others = _other_threads() if _all_scopes else []
     return any(scope.tracks(v) for scope in others for v in variables)
+
+
+def tracked_in_other_thread(handle: Any, var: Optional[Any]) -> Optional[Any]:
+    """The variable behind ``handle`` (or ``var``) if a tape open in another
+    thread has read or written it, else None.
+
+    Its versions there are invisible here: a write from this thread would
+    change what that tape reads while it credits its own version.
+    """
+    if not _all_scopes or not context.executing_eagerly():
+        return None
+    for scope in _other_threads():
+        found = var if var is not None and var._unique_id in scope.seen else scope.owners.get(id(handle))
+        if found is not None:
+            return found
+    return None
+
+
+def refuse_or_cut(scopes: List[Scope], var: Any, what: str, message: str) -> None:
+    """The one answer to a write of ``var`` that the tapes of ``scopes`` cannot
+    differentiate: raise ``UntrackedWriteError`` with ``message`` unless every
+    tape there passed ``untracked_writes="cut"``, in which case warn. Call it
+    before the write, so that a refusal leaves the variable and the tapes as
+    they were, and ``cut`` after it."""
+    from assigntape._errors import UntrackedWriteError
+
+    if any(scope.refuses_untracked() for scope in scopes):
+        raise UntrackedWriteError(
+            message + " Or pass AssignAwareTape(untracked_writes='cut') to treat the write as a "
+            "new version with no gradient path."
+        )
+    warnings.warn(
+        f"AssignAwareTape: {what} wrote {var.name!r}; no gradient flows through that write "
+        "(untracked_writes='cut').",
+        stacklevel=4,
+    )
+
+
+def cut(scopes: List[Scope], var: Any, what: str, after: Any = None) -> None:
+    """After a write ``refuse_or_cut`` let through: a new version, no gradient path."""
+    for scope in scopes:
+        old = scope.current_version(var)
+        scope.advance(var, old, new_version(old, after), WriteRecord(what, cut=True))
+
+
+# Writes made while a tape that wrote a variable is closed (exited, and not
+# yet done): id(the variable's own handle) -> (variable, those tapes). On
+# re-entry such a tape makes the variable a new version with no gradient path,
+# as for a write under stop_recording (see ``AssignAwareTape.__enter__``).
+_closed: Dict[int, Tuple[Any, "weakref.WeakSet[Any]"]] = {}
+
+
+def watch_while_closed(tape: Any, variables: List[Any]) -> None:
+    for var in variables:
+        entry = _closed.setdefault(id(canonical_handle(var)), (var, weakref.WeakSet()))
+        entry[1].add(tape)
+
+
+def unwatch(tape: Any, variables: List[Any]) -> None:
+    for var in variables:
+        key = id(canonical_handle(var))
+        entry = _closed.get(key)
+        if entry is not None:
+            entry[1].discard(tape)
+            if not entry[1]:
+                del _closed[key]
+
+
+def forget_closed(variables: List[Any]) -> None:
+    """Drops the entries no live closed tape needs any more."""
+    for var in variables:
+        key = id(canonical_handle(var))
+        entry = _closed.get(key)
+        if entry is not None and not len(entry[1]):
+            del _closed[key]
+
+
+def note_write_while_closed(handle: Any, var: Any = None) -> None:
+    """Tells the closed tapes that wrote this variable that it was written."""
+    if not _closed:
+        return
+    entry = _closed.get(id(canonical_handle(var) if var is not None else handle))
+    if entry is not None:
+        for tape in list(entry[1]):
+            tape._written_while_closed.add(entry[0]._unique_id)
+
+
+def dynamic_shape(handle: Any) -> Any:
+    """The shape of the variable behind ``handle`` now, as a tensor."""
+    from tensorflow.python.ops import gen_resource_variable_ops
+
+    with record.stop_recording():
+        return gen_resource_variable_ops.variable_shape(handle)
 
 
 def _enclosing_scope(scopes: Dict[Any, Scope]) -> Optional[Scope]:
@@ -160,9 +280,14 @@ def _enclosing_scope(scopes: Dict[Any, Scope]) -> Optional[Scope]:
         scope = scopes.get(graph)
         if scope is not None:
             return scope
-        # A tf.cond branch or while body is a FuncGraph whose outer_graph is the
-        # function around it; a captured outer tensor is valid inside.
-        graph = getattr(graph, "outer_graph", None)
+        # A tf.cond branch or while body is a control-flow FuncGraph whose
+        # outer_graph is the graph around it, and runs as part of it. Any other
+        # FuncGraph (a nested tf.function, AutoGraph's staging graph) is a
+        # function of its own: it captures the variable's own handle, and a
+        # call maps that capture to the current version (``_functions``).
+        if not isinstance(graph, _CONTROL_FLOW_GRAPH):
+            return None
+        graph = graph.outer_graph
     return None
 
 
@@ -176,6 +301,20 @@ def owner(tensor: Any) -> Optional[Tuple[Scope, Any]]:
         return None
     var = scope.owners.get(id(tensor))
     return None if var is None else (scope, var)
+
+
+def call_context() -> Optional[Tuple[Scope, Optional["Branch"]]]:
+    """For a function called now: the scope of the tape around the call, and
+    the cond branch or loop body the call is in (None at the tape's level)."""
+    scopes = getattr(_tls, "scopes", None)
+    if not scopes:
+        return None
+    scope = _enclosing_scope(scopes)
+    if scope is None:
+        return None
+    if context.executing_eagerly() or scope.key is ops.get_default_graph():
+        return scope, None
+    return scope, _current_branch()
 
 
 def eager_scope() -> Optional[Scope]:
@@ -275,30 +414,14 @@ def _current_branch() -> Optional[Branch]:
     return branches.get(ops.get_default_graph()) if branches else None
 
 
-# AutoGraph stages one iteration of a loop body in a throwaway graph to infer
-# the types of loop variables first defined inside the loop
-# (``_try_handling_undefineds``). Nothing built there runs: a write there is
-# left plain, and the real trace of the body, in the loop, is tracked.
-STAGING = object()
-
-
-def _is_autograph_staging(graph: Any) -> bool:
-    from tensorflow.python.framework import func_graph
-
-    return type(graph) is func_graph.FuncGraph and graph.name == "tmp"
-
-
 def check_writable_here(scope: Scope, var: Any, op_name: str) -> Any:
     """Where a write goes: the tape's own graph (None), a cond branch or loop body
-    of it (the ``Branch``), AutoGraph's throwaway staging graph (``STAGING``), or
-    a body it cannot leave (refused)."""
+    of it (the ``Branch``), or a body it cannot leave (refused)."""
     if scope.key is current_key():
         return None
     branch = _current_branch()
     if branch is not None and branch.scope is scope:
         return branch
-    if _is_autograph_staging(ops.get_default_graph()):
-        return STAGING
     from assigntape._errors import ControlFlowWriteError
 
     raise ControlFlowWriteError(
@@ -336,6 +459,7 @@ class HandleDescriptor:
                     if handle is None:
                         raise AttributeError("_handle")
                 scope.owners[id(handle)] = inst
+                scope.seen.add(d.get("_unique_id"))
                 return handle
         try:
             return d["_handle"]

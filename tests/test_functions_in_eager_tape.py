@@ -166,18 +166,40 @@ def test_function_write_cut_by_option():
     assert float(tape.gradient(loss, a)) == 6.0  # only the read after the cut
 
 
-def test_function_writing_an_untouched_variable_is_plain_tensorflow():
+def test_function_writing_a_variable_the_tape_has_not_seen_is_refused():
+    # The tape cannot see into the function, and the variable's value after it
+    # may depend on what the tape watches (here v := 4x): a later read would be
+    # credited to the start value, so the call is refused like any other write.
+    x, v = tf.Variable(2.0), tf.Variable(3.0, name="unseen")
+
+    @tf.function
+    def write():
+        v.assign(x * 4.0)
+
+    with AssignAwareTape() as tape:
+        x.assign_add(0.0)
+        with pytest.raises(UntrackedWriteError, match="unseen") as info:
+            write()
+        assert "write" in str(info.value)
+    assert float(v) == 3.0  # refused before the function ran
+    assert tape.versions(v) == (v.handle,)
+
+
+def test_function_writing_an_unseen_variable_with_cut_makes_a_version_without_gradient():
     counter, v, a = tf.Variable(0.0), tf.Variable(1.0), tf.Variable(2.0)
 
     @tf.function
     def bump():
-        counter.assign_add(1.0)
+        counter.assign_add(a)
 
-    with AssignAwareTape() as tape:
-        v.assign(a * 3.0)
-        bump()  # `counter` was never seen by the tape
-        loss = v * 1.0
-    assert float(counter) == 1.0 and float(tape.gradient(loss, a)) == 3.0
+    with pytest.warns(UserWarning, match="untracked_writes='cut'"):
+        with AssignAwareTape(untracked_writes="cut") as tape:
+            v.assign(a * 3.0)
+            bump()
+            loss = v * 1.0 + counter * 5.0
+    assert float(counter) == 2.0 and len(tape.versions(counter)) == 2
+    # The counter's new version has no gradient path; v's write keeps its own.
+    assert float(tape.gradient(loss, a)) == 3.0
 
 
 def test_keras_model_called_through_a_function():

@@ -1,0 +1,113 @@
+"""Plain ``tf.GradientTape``s used beside an ``AssignAwareTape``.
+
+A write made while an ``AssignAwareTape`` is open is recorded on every tape
+that is recording, plain ones included, so a plain tape can follow the chain
+of versions too. It must then name variables the way ``AssignAwareTape`` does,
+or its answer would depend on whether the other tape is still open (while it
+is, ``v.handle`` is the latest version; after, the variable's own handle):
+
+* a variable source means the version current when the plain tape was entered;
+* a variable target means the version current when it was exited (the latest
+  one while it is still open).
+
+The plain tape keeps both snapshots on itself, and keeps the patches installed
+(``lease``) until it is done, so that a gradient asked after the other tape
+closed still maps them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, Optional
+
+from tensorflow.python.util import nest
+
+from assigntape import _versions
+
+__all__ = ["enter", "exit", "gradient", "lease"]
+
+_START = "_assigntape_start"
+_END = "_assigntape_end"
+_LEASE = "_assigntape_lease"
+
+
+def _is_plain(instance: Any) -> bool:
+    from assigntape._tape import AssignAwareTape
+
+    return not isinstance(instance, AssignAwareTape)
+
+
+def _snapshot() -> Optional[Dict[str, Any]]:
+    """The versions current here, as a cond branch or loop body sees them."""
+    found = _versions.call_context()
+    if found is None:
+        return None
+    scope, branch = found
+    snapshot = dict(scope.current)
+    chain = []
+    while branch is not None:
+        chain.append(branch)
+        branch = branch.parent
+    for branch in reversed(chain):
+        snapshot.update(branch.versions)
+    return snapshot
+
+
+def enter(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``GradientTape.__enter__``: a plain tape notes the versions current now."""
+    result = wrapped(*args, **kwargs)
+    if _is_plain(instance) and not hasattr(instance, _START):
+        snapshot = _snapshot()
+        if snapshot is not None:
+            setattr(instance, _START, snapshot)
+            lease(instance)
+    return result
+
+
+def exit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``GradientTape.__exit__``: a plain tape notes the versions current now."""
+    result = wrapped(*args, **kwargs)
+    if _is_plain(instance):
+        snapshot = _snapshot()
+        if snapshot is not None:
+            setattr(instance, _END, snapshot)
+            lease(instance)
+    return result
+
+
+def lease(instance: Any) -> None:
+    """Keeps the patches installed until ``instance`` is garbage."""
+    if getattr(instance, _LEASE, None) is None:
+        from assigntape import _patches
+
+        _patches.acquire()
+        setattr(instance, _LEASE, weakref.finalize(instance, _patches.release))
+
+
+def _map(x: Any, versions: Optional[Dict[str, Any]], open_now: bool) -> Any:
+    from assigntape._tape import _as_tf_variable
+
+    var = _as_tf_variable(x)
+    if var is None:
+        return x
+    if open_now:
+        found = _versions.call_context()
+        if found is not None:
+            return _versions.version_in(found[0], found[1], var)
+    handle = versions.get(var._unique_id) if versions else None
+    return _versions.canonical_handle(var) if handle is None else handle
+
+
+def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``GradientTape.gradient`` of a plain tape: variables named as above."""
+    if not _is_plain(instance):
+        return wrapped(*args, **kwargs)
+    from assigntape._wrapping import bind
+
+    arguments = bind(("target", "sources", "output_gradients", "unconnected_gradients"), args, kwargs)
+    open_now = bool(getattr(instance, "_recording", False))
+    start, end = getattr(instance, _START, None), getattr(instance, _END, None)
+    arguments["sources"] = nest.map_structure(lambda s: _map(s, start, False), arguments["sources"])
+    if arguments.get("target") is not None:
+        arguments["target"] = nest.map_structure(lambda t: _map(t, end, open_now), arguments["target"])
+    return wrapped(**arguments)
