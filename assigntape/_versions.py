@@ -248,7 +248,9 @@ def forget_closed(variables: List[Any]) -> None:
     for var in variables:
         key = id(canonical_handle(var))
         entry = _closed.get(key)
-        if entry is not None and not len(entry[1]):
+        # Iterating skips tapes that are dead but not yet removed from the set
+        # (its own weakref callbacks may run after this one).
+        if entry is not None and not any(True for _ in entry[1]):
             del _closed[key]
 
 

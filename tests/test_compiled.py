@@ -164,3 +164,45 @@ def test_write_in_a_switch_case_branch_is_refused():
     with pytest.raises(ControlFlowWriteError, match="in_switch"):
         f(tf.constant(0))
     assert v.handle is v.__dict__["_handle"]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["tf.function", "xla"])
+def test_nested_reading_function_called_after_each_write(jit):
+    # The inner function is traced once, at its first call; each call must read
+    # and credit the version current at that call.
+    x, v = tf.Variable(1.5), tf.Variable(0.0)
+
+    @tf.function
+    def read():
+        return v * 2.0
+
+    @tf.function(jit_compile=jit)
+    def step():
+        with AssignAwareTape() as tape:
+            v.assign(x * 3.0)
+            first = read()  # 6x
+            v.assign(x * x)
+            second = read()  # 2x^2
+            y = first * second
+        return y, tape.gradient(y, x)
+
+    y, g = step()
+    assert float(y) == pytest.approx(6 * 1.5 * 2 * 1.5**2)
+    assert float(g) == pytest.approx(36 * 1.5**2)  # d/dx 12 x^3
+
+
+def test_nested_raw_read_in_a_compiled_tape():
+    x, v = tf.Variable(2.0), tf.Variable(3.0)
+
+    @tf.function
+    def read_raw():
+        return tf.raw_ops.ReadVariableOp(resource=v.handle, dtype=tf.float32) * 1.0
+
+    @tf.function
+    def step():
+        with AssignAwareTape() as tape:
+            v.assign(x * 7.0)
+            y = read_raw()
+        return tape.gradient(y, x)
+
+    assert float(step()) == 7.0

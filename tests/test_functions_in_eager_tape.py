@@ -219,3 +219,19 @@ def test_keras_model_called_through_a_function():
         oracle.watch(z0)
         expected = tf.reduce_sum((x @ (z0 * 2.0) + layer.bias) ** 2)
     np.testing.assert_allclose(tape.gradient(loss, z), oracle.gradient(expected, z0), rtol=1e-5)
+
+
+def test_function_reading_with_a_raw_op_is_remapped():
+    # The variable is not in the function's graph.variables: the capture alone
+    # says which variable it reads.
+    x, v = tf.Variable(2.0), tf.Variable(3.0)
+
+    @tf.function
+    def read_raw():
+        return tf.raw_ops.ReadVariableOp(resource=v.handle, dtype=tf.float32) * 1.0
+
+    read_raw()  # traced before the tape
+    with AssignAwareTape() as tape:
+        v.assign(x * 6.0)
+        y = read_raw()
+    assert float(y) == 12.0 and float(tape.gradient(y, x)) == 6.0

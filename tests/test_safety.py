@@ -209,3 +209,49 @@ def test_ten_thousand_tapes_leave_nothing_behind():
     assert growth < 32 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB"
     assert not getattr(_versions._tls, "scopes", None)
     assert "_handle" not in rvo.BaseResourceVariable.__dict__
+
+
+def _in_thread(fn):
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = fn()
+        except Exception as e:  # handed back to the test's thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(60)
+    return outcome
+
+
+@pytest.mark.parametrize("other_has_a_tape", [False, True], ids=["plain-thread", "thread-with-tape"])
+def test_a_write_from_another_thread_to_a_tracked_variable_is_refused(other_has_a_tape):
+    from assigntape import UntrackedWriteError
+
+    v, x = tf.Variable(3.0, name="shared_w"), tf.Variable(2.0)
+
+    def other():
+        if other_has_a_tape:
+            with AssignAwareTape():
+                v.assign_add(1.0)
+        else:
+            v.assign(100.0)
+
+    with AssignAwareTape() as tape:
+        v.assign(x * 5.0)
+        outcome = _in_thread(other)
+        y = v * 1.0
+    assert isinstance(outcome.get("error"), UntrackedWriteError)
+    assert "shared_w" in str(outcome["error"]) and "thread" in str(outcome["error"])
+    assert float(y) == 10.0 and float(tape.gradient(y, x)) == 5.0  # nothing was written
+
+
+def test_a_thread_may_write_a_variable_another_threads_tape_never_saw():
+    v, other_var = tf.Variable(1.0), tf.Variable(0.0)
+    with AssignAwareTape() as tape:
+        y = v * 2.0
+        outcome = _in_thread(lambda: other_var.assign(5.0))
+    assert "error" not in outcome and float(other_var) == 5.0
+    assert float(tape.gradient(y, v)) == 2.0
