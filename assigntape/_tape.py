@@ -17,14 +17,7 @@ from assigntape._errors import ControlFlowWriteError, NotAVariableError
 __all__ = ["AssignAwareTape"]
 
 
-def _as_tf_variable(x: Any) -> Optional[Any]:
-    """The ``tf.Variable`` behind ``x`` (itself, or a Keras 3 variable's), else None."""
-    if isinstance(x, resource_variable_ops.BaseResourceVariable):
-        return x
-    inner = getattr(x, "_value", None)  # Keras 3 wraps a tf.Variable in `_value`.
-    if isinstance(inner, resource_variable_ops.BaseResourceVariable):
-        return inner
-    return None
+_as_tf_variable = _versions.resolve
 
 
 class AssignAwareTape(tf.GradientTape):
@@ -162,6 +155,15 @@ class AssignAwareTape(tf.GradientTape):
         self._written_while_closed.clear()
         self._entered = self._scope is not None
         self._start = dict(self._scope.current) if self._scope is not None else {}
+
+    def watch(self, tensor: Any) -> None:
+        """As ``tf.GradientTape.watch``; a wrapped variable (Keras 3, mixed
+        precision, distributed) watches the variable it stands for."""
+        def inner(t: Any) -> Any:
+            var = _versions.resolve(t)
+            return t if var is None else var
+
+        super().watch(nest.map_structure(inner, tensor))
 
     def watched_variables(self) -> Tuple[Any, ...]:
         """The variables the tape watches, as ``tf.GradientTape.watched_variables``:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Set, Tu
 from tensorflow.python.eager import context, record
 from tensorflow.python.framework import ops, tensor as tensor_lib
 from tensorflow.python.ops import array_ops
+from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable as _BASE_VARIABLE
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph as _CONTROL_FLOW_GRAPH
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -476,8 +477,36 @@ class HandleDescriptor:
 
 
 def canonical_handle(var: Any) -> Any:
-    """The variable's own handle, whatever version is current."""
+    """The variable's own handle, whatever version is current (``var`` as
+    ``resolve`` returns it)."""
     return var.__dict__["_handle"]
+
+
+# Where wrappers keep the variable they delegate to: Keras 3's ``Variable``
+# (``_value``), tf_keras mixed precision's ``AutoCastVariable`` (``_variable``),
+# and tf.distribute's ``AggregatingVariable`` (``_v``; parameter-server and
+# central-storage strategies). Read from the instance's own ``__dict__``: their
+# ``__getattr__`` would delegate the lookup itself.
+_WRAPPED_IN = ("_value", "_variable", "_v")
+
+
+def resolve(x: Any) -> Optional[Any]:
+    """The ``tf.Variable`` with a handle of its own that ``x`` stands for: ``x``
+    itself, or the variable a wrapper delegates to (for a ``MirroredVariable``
+    or ``SyncOnReadVariable``, the component of the current replica, or the
+    primary one in cross-replica context), else None (a tensor)."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        attributes = getattr(x, "__dict__", None)
+        if attributes is None:
+            return None
+        if "_handle" in attributes and isinstance(x, _BASE_VARIABLE):
+            return x
+        component = getattr(type(x), "_get_on_device_or_primary", None)
+        if component is not None:
+            x = x._get_on_device_or_primary()
+            continue
+        x = next((attributes[a] for a in _WRAPPED_IN if a in attributes), None)
+    return None
 
 
 def differentiable(var: Any) -> bool:

@@ -1,0 +1,153 @@
+"""Variables that wrap a variable behave exactly as a plain ``tf.Variable``.
+
+Keras 3's ``Variable``, tf_keras mixed precision's ``AutoCastVariable``, and
+tf.distribute's ``MirroredVariable`` / ``SyncOnReadVariable`` (in replica
+context, their replica's component) and ``AggregatingVariable`` each stand for
+one ``tf.Variable``: as a source (its value at the start of the tape), as a
+target (its latest version), inside and after the ``with``, eager, compiled and
+in replica context, and in ``versions``, ``watched_variables``, ``restoring``,
+``explain`` and ``history``. (``AggregatingVariable`` needs two devices: see
+``tests/helpers/wrapped_variables_two_devices.py``.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any, Callable, Dict, List
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from assigntape import AssignAwareTape
+from helpers.wrapped_variables_two_devices import EXPECTED, W0, X0, program
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _keras(value: float) -> Any:
+    import keras
+
+    return keras.Variable(value)
+
+
+def _autocast(value: float) -> Any:
+    from tf_keras.src.mixed_precision import autocast_variable
+
+    return autocast_variable.create_autocast_variable(tf.Variable(value))
+
+
+_ONE_DEVICE = tf.distribute.MirroredStrategy(["/cpu:0"])
+
+
+def _mirrored(value: float) -> Any:
+    with _ONE_DEVICE.scope():
+        return tf.Variable(value)
+
+
+def _sync_on_read(value: float) -> Any:
+    with _ONE_DEVICE.scope():
+        return tf.Variable(
+            value, synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM
+        )
+
+
+WRAPPERS: Dict[str, Callable[[float], Any]] = {
+    "plain": tf.Variable,
+    "keras": _keras,
+    "autocast": _autocast,
+    "mirrored": _mirrored,
+    "sync_on_read": _sync_on_read,
+}
+DISTRIBUTED = ("mirrored", "sync_on_read")
+
+
+def _contexts(name: str) -> List[str]:
+    base = ["eager", "function"]
+    return base + (["replica-eager", "replica-function"] if name in DISTRIBUTED else [])
+
+
+CASES = [(name, context) for name in WRAPPERS for context in _contexts(name)]
+
+
+def _run(context: str, fn: Callable[[], Any]) -> Any:
+    compiled = context.endswith("function")
+    fn = tf.function(fn) if compiled else fn
+    return _ONE_DEVICE.run(fn) if context.startswith("replica") else fn()
+
+
+@pytest.mark.parametrize("name,context", CASES, ids=[f"{n}-{c}" for n, c in CASES])
+def test_source_and_target_inside_and_after_the_with(name, context):
+    w, x = WRAPPERS[name](W0), tf.Variable(X0)
+    got = _run(context, lambda: program(w, x))
+    for key, value in EXPECTED.items():
+        np.testing.assert_allclose(float(got[key]), value, rtol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_plain_inner_tape_asked_while_the_outer_is_open(name):
+    w, x = WRAPPERS[name](W0), tf.Variable(X0)
+    with AssignAwareTape():
+        with tf.GradientTape(persistent=True) as inner:
+            if name == "sync_on_read":
+                inner.watch(w)  # not trainable, so not watched on read
+            y1 = w * 2.0
+            w.assign(w * x)
+            y = y1 + w * w
+        d_w, d_x = inner.gradient(y, [w, x])
+        d_target = inner.gradient(w, x)
+    np.testing.assert_allclose([float(d_w), float(d_x), float(d_target)],
+                               [EXPECTED["in_source_w"], EXPECTED["in_source_x"], EXPECTED["in_target_x"]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_versions_watched_variables_history_and_explain(name):
+    from assigntape import _versions
+
+    w, x = WRAPPERS[name](W0), tf.Variable(X0)
+    inner = _versions.resolve(w)
+    with AssignAwareTape(persistent=True) as tape:
+        tape.watch(w)
+        _ = w * 1.0
+        w.assign(x * 4.0)
+        w.assign(x + 1.0)
+        y = w * 3.0
+    assert len(tape.versions(w)) == 3 and tape.versions(w) == tape.versions(inner)
+    watched = [_versions.resolve(v) for v in tape.watched_variables()]
+    assert sum(v is inner for v in watched) == 1
+    assert len(tape.history().variables[inner.name]) == 3
+    report = tape.explain(y, {"w": w, "x": x})
+    assert report.reports[0].reason == "overwritten_before_read" and report.reports[1].status == "ok"
+    assert float(report.gradients["x"]) == 3.0
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_restoring_writes_a_wrapper_back(name):
+    w, x = WRAPPERS[name](W0), tf.Variable(X0)
+    with AssignAwareTape() as tape:
+        tape.watch(w)
+        with tape.restoring([w]):
+            w.assign(w * x)
+            y = w * 1.0
+        loss = y + w * 10.0
+    assert float(tf.convert_to_tensor(w)) == W0
+    np.testing.assert_allclose(float(tape.gradient(loss, w)), X0 + 10.0, rtol=1e-6)
+
+
+def test_aggregating_variables_on_two_devices():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "helpers.wrapped_variables_two_devices"],
+        cwd=ROOT / "tests", env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results["type"] == "AggregatingVariable"
+    assert set(results["cases"]) == {"cross-replica-eager", "cross-replica-function"}
+    for case, got in results["cases"].items():
+        for key, value in EXPECTED.items():
+            np.testing.assert_allclose(got[key], value, rtol=1e-6, err_msg=f"{case}: {key}")
