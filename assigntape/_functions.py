@@ -33,7 +33,9 @@ def _written_inputs(function: Any) -> Dict[int, str]:
 
 
 def _writes_anything(op_type: str) -> bool:
-    return op_type in _rules.RULES or op_type.startswith(_rules.UNDIFFERENTIABLE_PREFIXES)
+    # Refused writes include ops with no Python wrapper (XlaLaunch, TPU
+    # launches): a graph is the only place the tape can meet them.
+    return op_type in _rules.RULES or _rules.refused(op_type)
 
 
 def _called_graphs(op: Any, graph: Any) -> List[Any]:
@@ -129,7 +131,7 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     """
     found = _versions.call_context()
     if found is None:
-        if _versions._closed:
+        if _versions.closed_tapes:
             _note_closed_writes(instance, args, kwargs)
         return wrapped(*args, **kwargs)
     scope, branch = found

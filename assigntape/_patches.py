@@ -9,8 +9,9 @@ tape in the process closes:
   the same functions as ``tf.raw_ops.<Op>``) get a wrapper. For an op with a
   gradient rule in ``_rules.RULES`` it performs the real write, then makes the
   new version and records it on the tape (inside a ``tf.cond`` branch or a
-  loop body, see ``_control_flow``). For the fused optimizer kernels, which have no rule, it refuses
-  the write (or cuts the gradient, by option).
+  loop body, see ``_control_flow``). For the other writes (``_rules.refused``:
+  the fused optimizer kernels, the XLA concat write, ...), which have no rule,
+  it refuses the write (or cuts the gradient, by option).
 * A few functions and methods, each wrapped for one topic with its own module:
   see ``_attribute_patches``.
 
@@ -24,6 +25,7 @@ one wrapper per op sees them all.
 from __future__ import annotations
 
 import operator
+import sys
 import threading
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -123,10 +125,21 @@ def _tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Ca
     return wrapper
 
 
+def _resource_arguments(arguments: Dict[str, Any]) -> List[Any]:
+    """The resource tensors among an op's arguments, including those in lists
+    (an op that writes ``N`` variables takes them as one list argument)."""
+    found = []
+    for value in arguments.values():
+        for a in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(a, tensor_lib.Tensor) and a.dtype == dtypes.resource:
+                found.append(a)
+    return found
+
+
 def _untracked_write(op_name: str, params: Sequence[str]) -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         arguments = bind(params, args, kwargs)
-        handles = [a for a in arguments.values() if isinstance(a, tensor_lib.Tensor) and a.dtype == dtypes.resource]
+        handles = _resource_arguments(arguments)
         hits = [h for h in map(_versions.owner, handles) if h is not None]
         hits = [(scope, var) for scope, var in hits if _versions.differentiable(var)]
         for h in handles:
@@ -153,6 +166,24 @@ def _untracked_write(op_name: str, params: Sequence[str]) -> Callable[..., Any]:
     return wrapper
 
 
+def _refused_with_wrappers() -> List[str]:
+    """The refused writes (``_rules.refused``) that have a Python wrapper. Every
+    generated wrapper is in tf.raw_ops, wherever its module is; the rest (XLA and
+    TPU launches) exist only in graphs, where ``_functions`` refuses them."""
+    names = set(vars(gen_training_ops)) | set(vars(tf.raw_ops))
+    return sorted(name for name in names if _rules.refused(name) and name not in _rules.RULES)
+
+
+def _module_of(op_name: str) -> Any:
+    """The generated module that holds an op's wrappers."""
+    for module in _GEN_MODULES:
+        if op_name in vars(module):
+            return module
+    # Elsewhere (gen_tpu_ops, gen_stateful_random_ops): tf.raw_ops holds the
+    # generated function itself, and its module has the snake-case wrapper too.
+    return sys.modules[getattr(tf.raw_ops, op_name).__module__]
+
+
 def _patch_targets() -> List[Tuple[List[Tuple[Any, str]], Any, Callable[..., Any]]]:
     """Each op: where its wrapper is found, the original, and our wrapper."""
     # tf.raw_ops and tf.compat.v2.raw_ops (a separate module holding the same
@@ -161,15 +192,10 @@ def _patch_targets() -> List[Tuple[List[Tuple[Any, str]], Any, Callable[..., Any
     raw_modules = [tf.raw_ops]
     if tf.compat.v2.raw_ops is not tf.raw_ops:
         raw_modules.append(tf.compat.v2.raw_ops)
-    written = list(_rules.RULES)
-    written += [
-        name
-        for name in vars(gen_training_ops)
-        if name.startswith(_rules.UNDIFFERENTIABLE_PREFIXES) and name not in _rules.RULES
-    ]
+    written = list(_rules.RULES) + _refused_with_wrappers()
     targets = []
     for op_name in written:
-        module = next(m for m in _GEN_MODULES if op_name in vars(m))
+        module = _module_of(op_name)
         snake = _snake(op_name, module)
         original = vars(module)[snake]
         params = list(original.__code__.co_varnames[: original.__code__.co_argcount])

@@ -36,7 +36,10 @@ from tensorflow.python.ops import (
 
 from assigntape._errors import DuplicateIndicesError
 
-__all__ = ["Write", "Rule", "RULES", "COMBINES", "UNDIFFERENTIABLE_PREFIXES"]
+__all__ = [
+    "Write", "Rule", "RULES", "COMBINES", "UNDIFFERENTIABLE_PREFIXES",
+    "REFUSED_WRITES", "NOT_VARIABLE_WRITES", "refused",
+]
 
 Args = Dict[str, Any]
 
@@ -288,3 +291,158 @@ for _combine in ("update", "add", "sub", "min", "max"):
 UNDIFFERENTIABLE_PREFIXES = ("ResourceApply", "ResourceSparseApply")
 
 del _combine
+
+
+# -- every op that takes a resource: differentiated, refused, or not a write ----
+#
+# tests/test_write_op_coverage.py walks TensorFlow's op registry and fails on any
+# op with a DT_RESOURCE input that none of these tables names: RULES
+# (differentiated), refused() (REFUSED_WRITES and UNDIFFERENTIABLE_PREFIXES) or
+# NOT_VARIABLE_WRITES. A write op added by a future TensorFlow then fails CI
+# instead of writing a tracked variable behind the tape's back, which would give
+# a silently wrong gradient. The tables name exact ops, so every new op is
+# looked at by a person (the one exception is the fused-kernel prefixes, whose
+# new members are refused wherever their wrapper lives; the test checks that).
+
+# Ops that write a variable (a ``tensorflow::Var``) and have no rule: refused
+# with UntrackedWriteError when the variable is one a tape tracks. Where
+# TensorFlow generates a Python wrapper, ``_patches`` wraps it; every one of them
+# is also found in function graphs by ``_functions._writes_anything``.
+REFUSED_WRITES: frozenset[str] = frozenset(
+    {
+        # Writes the concatenation of its (padded) inputs; an XLA-only kernel,
+        # so it runs only under jit_compile (or on TPU).
+        "AssignVariableXlaConcatND",
+        # Increments an integer variable. Integer variables carry no gradient,
+        # so the refusal never fires in practice; listed because it writes.
+        "ResourceCountUpTo",
+        # Advance a tf.random.Generator's state variable. The kernels take only
+        # int64 state, which carries no gradient: plain TensorFlow in practice.
+        "RngReadAndSkip",
+        "RngSkip",
+        "StatefulRandomBinomial",
+        "StatefulStandardNormal",
+        "StatefulStandardNormalV2",
+        "StatefulTruncatedNormal",
+        "StatefulUniform",
+        "StatefulUniformFullInt",
+        "StatefulUniformInt",
+        # Run a compiled program that may write the variables it is given. No
+        # Python wrapper: they appear only in graphs (XLA's and the TPU
+        # rewrites), where the graph scan refuses them.
+        "XlaLaunch",
+        "_TPUReplicate",
+        "TPUReshardVariables",  # rewrites the variables' TPU layout in place
+        # The same, with their resource inputs typed by an attribute
+        # (``list(type)``), so the registry test does not see them as taking
+        # resources; listed so that the graph scan refuses them too.
+        "_XlaRun",
+        "TPUExecute",
+        "TPUExecuteAndUpdateVariables",
+    }
+)
+
+
+def refused(op_type: str) -> bool:
+    """Whether an op writes variables the tape refuses (it has no rule)."""
+    return op_type in REFUSED_WRITES or op_type.startswith(UNDIFFERENTIABLE_PREFIXES)
+
+
+# Ops with a DT_RESOURCE input that never write a variable's value, by group:
+# reason -> exact op names. The groups from "iterators" on take other kinds of
+# resource: their kernels look the handle up as their own kind, and a variable's
+# handle fails that lookup instead of being written.
+NOT_VARIABLE_WRITES: Dict[str, frozenset[str]] = {
+    "read a variable's value, shape or initialisation state": frozenset(
+        {
+            "ReadVariableOp", "_ReadVariablesOp", "ReadVariableXlaSplitND", "ResourceGather",
+            "ResourceGatherNd", "VariableShape", "VarIsInitializedOp",
+        }
+    ),
+    "a variable's lifetime or handle, not its value (a destroyed variable fails "
+    "loudly on its next read)": frozenset(
+        {"DestroyResourceOp", "DisableCopyOnRead", "IsResourceHandleRefCounting", "MakeWeakResourceHandle"}
+    ),
+    "compiles an XLA cluster against the variables' current values; _XlaRun writes": frozenset(
+        {"_XlaCompile"}
+    ),
+    "iterators, datasets and their seed generators, caches and thread pools": frozenset(
+        {
+            "CacheDatasetV2", "DataServiceDataset", "DataServiceDatasetV2", "DataServiceDatasetV3",
+            "DataServiceDatasetV4", "DeleteIterator", "DeleteMemoryCache", "DeleteMultiDeviceIterator",
+            "DeleteRandomSeedGenerator", "DeleteSeedGenerator", "DeserializeIterator",
+            "ExperimentalIteratorGetDevice", "ExperimentalSetStatsAggregatorDataset",
+            "ExperimentalStatsAggregatorSummary", "ExperimentalThreadPoolDataset", "GlobalShuffleDataset",
+            "IteratorGetDevice", "IteratorGetModelProto", "IteratorGetNext", "IteratorGetNextAsOptional",
+            "IteratorGetNextSync", "IteratorToStringHandle", "MakeIterator",
+            "MultiDeviceIteratorGetNextFromShard", "MultiDeviceIteratorInit",
+            "MultiDeviceIteratorToStringHandle", "RandomDatasetV2", "SerializeIterator",
+            "SetStatsAggregatorDataset", "ShuffleAndRepeatDatasetV2", "ShuffleDatasetV2",
+            "ShuffleDatasetV3", "StatsAggregatorSetSummaryWriter", "StatsAggregatorSummary",
+            "ThreadPoolDataset",
+        }
+    ),
+    "lookup tables": frozenset(
+        {
+            "InitializeTableFromDataset", "InitializeTableFromTextFileV2", "InitializeTableV2",
+            "LookupTableExportV2", "LookupTableFindV2", "LookupTableImportV2", "LookupTableInsertV2",
+            "LookupTableRemoveV2", "LookupTableSizeV2",
+        }
+    ),
+    "queues, readers, stacks and TensorArrays": frozenset(
+        {
+            "FakeQueue", "QueueCloseV2", "QueueDequeueManyV2", "QueueDequeueUpToV2", "QueueDequeueV2",
+            "QueueEnqueueManyV2", "QueueEnqueueV2", "QueueIsClosedV2", "QueueSizeV2",
+            "ReaderNumRecordsProducedV2", "ReaderNumWorkUnitsCompletedV2", "ReaderReadUpToV2",
+            "ReaderReadV2", "ReaderResetV2", "ReaderRestoreStateV2", "ReaderSerializeStateV2",
+            "StackCloseV2", "StackPopV2", "StackPushV2", "TensorArrayCloseV3", "TensorArrayConcatV3",
+            "TensorArrayGatherV3", "TensorArrayGradV3", "TensorArrayGradWithShape",
+            "TensorArrayReadV3", "TensorArrayScatterV3", "TensorArraySizeV3", "TensorArraySplitV3",
+            "TensorArrayWriteV3",
+        }
+    ),
+    "conditional gradient accumulators (tf.compat.v1 SyncReplicasOptimizer)": frozenset(
+        {
+            "ResourceAccumulatorApplyGradient", "ResourceAccumulatorNumAccumulated",
+            "ResourceAccumulatorSetGlobalStep", "ResourceAccumulatorTakeGradient",
+        }
+    ),
+    "summary writers": frozenset(
+        {
+            "CloseSummaryWriter", "CreateSummaryDbWriter", "CreateSummaryFileWriter",
+            "FlushSummaryWriter", "ImportEvent", "WriteAudioSummary", "WriteGraphSummary",
+            "WriteHistogramSummary", "WriteImageSummary", "WriteRawProtoSummary",
+            "WriteScalarSummary", "WriteSummary",
+        }
+    ),
+    "boosted-trees ensembles and quantile streams": frozenset(
+        {
+            "BoostedTreesCenterBias", "BoostedTreesCreateEnsemble",
+            "BoostedTreesCreateQuantileStreamResource", "BoostedTreesDeserializeEnsemble",
+            "BoostedTreesExampleDebugOutputs", "BoostedTreesFlushQuantileSummaries",
+            "BoostedTreesGetEnsembleStates", "BoostedTreesPredict",
+            "BoostedTreesQuantileStreamResourceAddSummaries",
+            "BoostedTreesQuantileStreamResourceDeserialize",
+            "BoostedTreesQuantileStreamResourceFlush",
+            "BoostedTreesQuantileStreamResourceGetBucketBoundaries", "BoostedTreesSerializeEnsemble",
+            "BoostedTreesTrainingPredict", "BoostedTreesUpdateEnsemble", "BoostedTreesUpdateEnsembleV2",
+            "IsBoostedTreesEnsembleInitialized", "IsBoostedTreesQuantileStreamResourceInitialized",
+        }
+    ),
+    "collective ordering tokens and communicators": frozenset(
+        {
+            "CollectiveAllToAllV2", "CollectiveAllToAllV3", "CollectiveGatherV2",
+            "CollectiveReduceScatterV2", "CollectiveReduceV2", "CollectiveReduceV3",
+        }
+    ),
+    "RPC clients, servers and futures": frozenset(
+        {
+            "DeleteRpcFutureResource", "RpcCall", "RpcCheckStatus", "RpcGetValue", "RpcServerRegister",
+            "RpcServerStart",
+        }
+    ),
+    "mutexes (tf.CriticalSection)": frozenset({"MutexLock"}),
+    "TensorFlow's own test ops, on a stub resource (framework/test_ops.cc)": frozenset(
+        {"ResourceCreateOp", "ResourceInitializedOp", "ResourceUsingOp"}
+    ),
+}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
 from tensorflow.python.ops import array_ops, gen_resource_variable_ops, resource_variable_ops
@@ -84,7 +84,7 @@ class AssignAwareTape(tf.GradientTape):
         # While the tape is closed but may be entered again or asked for
         # gradients: the patches stay installed, so that writes made meanwhile
         # are seen (unique ids collected here), until ``_end_lease``.
-        self._written_while_closed: Set[str] = set()
+        self._written_while_closed: Dict[int, Any] = {}
         self._lease: Optional[weakref.finalize] = None
 
     # -- context ---------------------------------------------------------------
@@ -98,22 +98,37 @@ class AssignAwareTape(tf.GradientTape):
             self._entered = True
             self._start = dict(scope.current)
             return self
-        # Entered again: carry on from this tape's latest versions (unless a tape
-        # still open kept newer ones). A variable written while the tape was
-        # closed gets a new version with no gradient path, as a write under
-        # stop_recording() does: that write was not recorded.
+        # Entered again. Each variable carries on from this tape's latest
+        # version, unless it was written while the tape was closed: by a tape
+        # still open (its version is current here, and this tape did not record
+        # the write) or with no tape open (noted while closed). Either way, for
+        # this tape the write has no gradient path, as under stop_recording().
+        written = self._written_while_closed
         for uid, versions in self._versions.items():
             var = self._owners[id(versions[0])]
-            if uid in scope.current:
-                continue
-            scope.current[uid] = versions[-1]
-            scope.owners[id(versions[-1])] = var
-            scope.canonical[id(_versions.canonical_handle(var))] = var
-            if uid in self._written_while_closed:
-                old = versions[-1]
-                scope.advance(var, old, _versions.new_version(old, None),
-                              _versions.WriteRecord("a write while the tape was closed", cut=True))
-        self._written_while_closed.clear()
+            current = scope.current.get(uid)
+            if current is None:
+                current = versions[-1]
+                scope.current[uid] = current
+                scope.owners[id(current)] = var
+                scope.canonical[id(_versions.canonical_handle(var))] = var
+                if written.pop(id(_versions.canonical_handle(var)), None) is not None:
+                    scope.advance(var, current, _versions.new_version(current, None), _versions.CLOSED_WRITE)
+                    continue
+            if current is not versions[-1]:
+                self._note_write(var, versions[-1], current, _versions.CLOSED_WRITE)
+        for uid, current in scope.current.items():
+            var = scope.owners.get(id(current))
+            if uid not in self._versions and var is not None:
+                start = self._start.get(uid, _versions.canonical_handle(var))
+                if current is not start:
+                    self._note_write(var, start, current, _versions.CLOSED_WRITE)
+                written.pop(id(_versions.canonical_handle(var)), None)
+        # Variables this tape never wrote: their first read here makes the version.
+        for key, own in written.items():
+            entry = scope.dirty.setdefault(key, (own, []))
+            entry[1].append(self)
+        written.clear()
         return self
 
     def __exit__(self, typ: Any, value: Any, traceback: Any) -> None:
@@ -123,24 +138,20 @@ class AssignAwareTape(tf.GradientTape):
             if self._scope is not None:
                 _versions.close_scope(self._scope, self)
                 self._scope = None
-                if self._versions and self._tape is not None:
+                if self._tape is not None:
                     self._start_lease()
                 _patches.release()
 
-    def _written_variables(self) -> List[Any]:
-        return [self._owners[id(versions[0])] for versions in self._versions.values()]
-
     def _start_lease(self) -> None:
-        """Keeps the patches installed while the tape is closed, and has writes
-        to the variables it wrote noted, for when it is entered again."""
-        variables = self._written_variables()
-        _versions.watch_while_closed(self, variables)
+        """Keeps the patches installed while the tape is closed, and has every
+        write made meanwhile noted, for when it is entered again."""
+        _versions.closed_tapes.add(self)
         _patches.acquire()
-        self._lease = weakref.finalize(self, _release_lease, variables)
+        self._lease = weakref.finalize(self, _patches.release)
 
     def _end_lease(self) -> None:
         if self._lease is not None and self._lease.alive:
-            _versions.unwatch(self, self._written_variables())
+            _versions.closed_tapes.discard(self)
             self._lease()
         self._lease = None
 
@@ -435,10 +446,3 @@ class AssignAwareTape(tf.GradientTape):
             if handle is mapped and write.old_shape is not None:
                 return array_ops.zeros(write.old_shape, dtype=var.dtype)
         return array_ops.zeros(_versions.dynamic_shape(mapped), dtype=var.dtype)
-
-
-def _release_lease(variables: List[Any]) -> None:
-    # A closed tape is gone (or done): the patches may go, and its variables
-    # need no more watching.
-    _versions.forget_closed(variables)
-    _patches.release()

@@ -73,7 +73,7 @@ class WriteRecord(NamedTuple):
 class Scope:
     """The versions of one thread in one graph (``None`` for eager execution)."""
 
-    __slots__ = ("key", "thread", "current", "owners", "tapes", "seen", "canonical", "pinned")
+    __slots__ = ("key", "thread", "current", "owners", "tapes", "seen", "canonical", "pinned", "dirty")
 
     def __init__(self, key: Any) -> None:
         self.key = key
@@ -99,6 +99,10 @@ class Scope:
         self.canonical: Dict[int, Any] = {}
         # Open AssignAwareTapes in this scope, outermost first.
         self.tapes: List["AssignAwareTape"] = []
+        # id(a variable's own handle) -> (that handle, the tapes that were closed
+        # when it was written): writes no tape here saw, made while those tapes
+        # were closed, resolved at the variable's first read (``cut_on_first_read``).
+        self.dirty: Dict[int, Tuple[Any, List[Any]]] = {}
 
     def current_version(self, var: Any) -> Any:
         handle = self.current.get(var._unique_id)
@@ -156,6 +160,7 @@ def close_scope(scope: Scope, tape: "AssignAwareTape") -> None:
         scope.pinned.clear()
         scope.seen.clear()
         scope.canonical.clear()
+        scope.dirty.clear()
         _scopes().pop(scope.key, None)
         with _all_lock:
             _all_scopes.remove(scope)
@@ -221,48 +226,56 @@ def cut(scopes: List[Scope], var: Any, what: str, after: Any = None) -> None:
         scope.advance(var, old, new_version(old, after), WriteRecord(what, cut=True))
 
 
-# Writes made while a tape that wrote a variable is closed (exited, and not
-# yet done): id(the variable's own handle) -> (variable, those tapes). On
-# re-entry such a tape makes the variable a new version with no gradient path,
-# as for a write under stop_recording (see ``AssignAwareTape.__enter__``).
-_closed: Dict[int, Tuple[Any, "weakref.WeakSet[Any]"]] = {}
-
-
-def watch_while_closed(tape: Any, variables: List[Any]) -> None:
-    for var in variables:
-        entry = _closed.setdefault(id(canonical_handle(var)), (var, weakref.WeakSet()))
-        entry[1].add(tape)
-
-
-def unwatch(tape: Any, variables: List[Any]) -> None:
-    for var in variables:
-        key = id(canonical_handle(var))
-        entry = _closed.get(key)
-        if entry is not None:
-            entry[1].discard(tape)
-            if not entry[1]:
-                del _closed[key]
-
-
-def forget_closed(variables: List[Any]) -> None:
-    """Drops the entries no live closed tape needs any more."""
-    for var in variables:
-        key = id(canonical_handle(var))
-        entry = _closed.get(key)
-        # Iterating skips tapes that are dead but not yet removed from the set
-        # (its own weakref callbacks may run after this one).
-        if entry is not None and not any(True for _ in entry[1]):
-            del _closed[key]
+# Tapes that are closed (exited, and not yet done) and may be entered again.
+# Every write made meanwhile, by any path, is noted on each of them: on
+# re-entry such a write is, for that tape, a new version with no gradient path,
+# as a write under stop_recording is (see ``AssignAwareTape.__enter__``).
+closed_tapes: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def note_write_while_closed(handle: Any, var: Any = None) -> None:
-    """Tells the closed tapes that wrote this variable that it was written."""
-    if not _closed:
+    """Notes, on every closed tape, that the variable behind ``handle`` (its
+    own handle, as served with no tape open) or ``var`` was written."""
+    if not closed_tapes:
         return
-    entry = _closed.get(id(canonical_handle(var) if var is not None else handle))
-    if entry is not None:
-        for tape in list(entry[1]):
-            tape._written_while_closed.add(entry[0]._unique_id)
+    own = handle if var is None else canonical_handle(var)
+    for tape in list(closed_tapes):
+        tape._written_while_closed[id(own)] = own
+
+
+# What made a version written while a tape was closed, as that tape sees it.
+CLOSED_WRITE = WriteRecord("a write while the tape was closed", cut=True)
+
+
+def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
+    """The first read, in ``scope``, of a variable written while a tape of it was
+    closed and not otherwise known to that tape: a new version, with no gradient
+    path for the tapes that were closed at the write, and an identity for the
+    tapes opened since (for them the write came before they started)."""
+    closed_at_write = scope.dirty.pop(id(own))[1]
+    new = new_version(own, None)
+    # Record the identity on every recording tape except those that were closed.
+    paused = [t for t in scope.tapes if t in closed_at_write and t._recording]
+    for tape in paused:
+        tape._pop_tape()
+    try:
+        # As a read would: watched, so that the tapes opened since record it.
+        from tensorflow.python.ops import resource_variable_ops
+
+        resource_variable_ops.variable_accessed(var)
+        record.record_operation("Identity", [new], [own], lambda g: [g])
+    finally:
+        for tape in reversed(paused):
+            tape._push_tape()
+    uid = var._unique_id
+    scope.current[uid] = new
+    scope.owners[id(new)] = var
+    scope.pinned.append(new)
+    scope.seen.add(uid)
+    scope.canonical[id(own)] = var
+    for tape in scope.tapes:
+        tape._note_write(var, own, new, CLOSED_WRITE if tape in closed_at_write else WriteRecord("Identity"))
+    return new
 
 
 def dynamic_shape(handle: Any) -> Any:
@@ -461,6 +474,8 @@ class HandleDescriptor:
                     handle = d.get("_handle")
                     if handle is None:
                         raise AttributeError("_handle")
+                    if scope.dirty and id(handle) in scope.dirty:
+                        return cut_on_first_read(scope, inst, handle)
                 scope.owners[id(handle)] = inst
                 scope.seen.add(d.get("_unique_id"))
                 return handle

@@ -149,11 +149,10 @@ def test_a_closed_tape_stops_watching_once_it_is_gone():
     tape = AssignAwareTape()
     with tape:
         v.assign(2.0)
-    key = id(v.__dict__["_handle"])
-    assert _patches.installed() and key in _versions._closed  # it may be entered again
+    assert _patches.installed() and tape in _versions.closed_tapes  # it may be entered again
     del tape
     gc.collect()
-    assert not _patches.installed() and key not in _versions._closed
+    assert not _patches.installed() and not _versions.closed_tapes
 
 
 def test_non_persistent_tape_releases_the_patches_at_its_gradient():
@@ -254,3 +253,23 @@ def test_a_function_whose_variable_is_gone_behaves_as_under_a_plain_tape():
         except AssertionError as e:  # TensorFlow's own error, under any tape
             outcomes.append(type(e).__name__ + str(e)[:40])
     assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize("later_reads_first", [False, True])
+def test_write_while_closed_to_a_variable_the_tape_never_touched(later_reads_first):
+    x, v = tf.Variable(2.0), tf.Variable(3.0)
+    tape = AssignAwareTape(persistent=True)
+    with tape:
+        a = x * 1.0
+    v.assign(7.0)  # v: never read or written by the tape; written while it is closed
+    with tape:
+        with AssignAwareTape() as later:  # opened after the write: v's value is its start
+            if later_reads_first:
+                z = v * 5.0
+                y = v * a
+            else:
+                y = v * a
+                z = v * 5.0
+    assert tape.gradient(y, v) is None  # v's start value was overwritten while closed
+    assert float(tape.gradient(y, x)) == 7.0
+    assert float(later.gradient(z, v)) == 5.0
