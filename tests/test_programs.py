@@ -28,6 +28,7 @@ finite difference of the rewrite in float64 / complex128 must agree with them to
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
@@ -39,6 +40,14 @@ from hypothesis import strategies as st
 
 from assigntape import AssignAwareTape
 from oracle import assert_grads_close, central_difference, to_numpy
+
+# The CI profile's budgets below; the thorough profile runs ten times as many.
+_SCALE = 10 if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else 1
+
+
+def _n(examples: int) -> int:
+    return examples * _SCALE
+
 
 SHAPES = [(), (3,), (2, 3)]
 DTYPES = [tf.float32, tf.float64, tf.complex128]
@@ -503,14 +512,14 @@ def test_random_programs_eager(program):
         _check_finite_differences(program, grads)
 
 
-@settings(max_examples=25)
+@settings(max_examples=_n(25))
 @given(programs(), st.booleans())
 def test_random_programs_compiled(program, jit):
     loss, grads = tape_gradients(program, compiled=True, jit=jit)
     _check_against_rewrite(program, loss, grads)
 
 
-@settings(max_examples=40)
+@settings(max_examples=_n(40))
 @given(programs(function_writes=True))
 def test_random_programs_with_writes_in_functions_cut(program):
     with warnings.catch_warnings():
@@ -523,7 +532,7 @@ def _none_as_zeros(grads, like):
     return [np.zeros(np.shape(l)) if g is None else to_numpy(g) for g, l in zip(grads, like)]
 
 
-@settings(max_examples=25)
+@settings(max_examples=_n(25))
 @given(programs(), st.sampled_from(LAYERS))
 def test_random_programs_with_every_write_in_control_flow(program, layers):
     vars0, params0 = program.initial_values()
@@ -600,7 +609,7 @@ def _second_order_rewrite(program):
     return None if z is None else outer.gradient(z, {"vars": tensors, "params": tuple(params)})
 
 
-@settings(max_examples=60)
+@settings(max_examples=_n(60))
 @given(programs(max_statements=6), st.booleans())
 def test_random_programs_second_order(program, compiled):
     got, expected = _second_order_tape(program, compiled), _second_order_rewrite(program)
@@ -613,7 +622,7 @@ def test_random_programs_second_order(program, compiled):
 # -- infinite upstream gradients -----------------------------------------------
 
 
-@settings(max_examples=60)
+@settings(max_examples=_n(60))
 @given(programs())
 def test_random_programs_with_an_infinite_upstream_gradient(program):
     # One element of the first variable's final value is weighed by inf: the
@@ -741,7 +750,7 @@ def _with_events_rewrite(program):
     return loss, outer, inner
 
 
-@settings(max_examples=80)
+@settings(max_examples=_n(80))
 @given(programs(events=True))
 def test_random_programs_with_tape_events(program):
     # A tape paused at the end is entered again before the loss (the rewrite's
@@ -784,7 +793,7 @@ def test_the_generator_makes_programs_that_need_the_tape():
     assert grads["params"][0] is not None and abs(float(grads["params"][0])) > 1e-3
 
 
-@settings(max_examples=40)
+@settings(max_examples=_n(40))
 @given(programs(), st.booleans())
 def test_random_programs_variable_targets(program, compiled):
     # Each variable (Keras 3 ones included) as a target means its latest version.
