@@ -208,7 +208,7 @@ def _nd(indices: Any, nd_form: bool) -> Any:
 def _scatter(combine: str, nd_form: bool) -> Rule:
     op_name = ("ResourceScatterNd" if nd_form else "ResourceScatter") + combine.capitalize()
     additive = combine in ("add", "sub")
-    forward, vjp = (None, None) if additive else COMBINES[combine]
+    forward, vjp = COMBINES["update" if additive else combine]
 
     def value(old: Any, args: Args) -> Any:
         idx = _nd(args["indices"], nd_form)
@@ -223,14 +223,14 @@ def _scatter(combine: str, nd_form: bool) -> Rule:
         idx = _nd(args["indices"], nd_form)
         updates = args["updates"]
         checks = [] if additive else _no_duplicates(var, idx, op_name)
-        rows = None if vjp is None else _recorded_rows(var, old, idx)
+        rows = None if additive or vjp is None else _recorded_rows(var, old, idx)
 
         def backward(g: Any) -> List[Any]:
             g = _dense(g)
             g_rows = array_ops.gather_nd(g, idx)
             if additive:
                 return [g, _unbroadcast(g_rows if combine == "add" else -g_rows, updates)]
-            if rows is None:  # update: the written rows forget the old ones
+            if vjp is None or rows is None:  # update: the written rows forget the old ones
                 g_kept, g_u = array_ops.zeros_like(g_rows), g_rows
             else:
                 g_kept, g_u = vjp(rows, _broadcast(updates, rows), g_rows)

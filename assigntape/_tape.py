@@ -7,7 +7,7 @@ import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
-from tensorflow.python.ops import array_ops, gen_resource_variable_ops, resource_variable_ops
+from tensorflow.python.ops import array_ops, gen_resource_variable_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
@@ -179,9 +179,9 @@ class AssignAwareTape(tf.GradientTape):
     def watched_variables(self) -> Tuple[Any, ...]:
         """The variables the tape watches, as ``tf.GradientTape.watched_variables``:
         each once, however many versions of it were read."""
-        seen: Dict[str, Any] = {}
+        seen: Dict[Any, Any] = {}
         for var in super().watched_variables():
-            seen.setdefault(getattr(var, "_unique_id", id(var)), var)
+            seen.setdefault(getattr(var, "_unique_id", None) or id(var), var)
         return tuple(seen.values())
 
     def _note_write(self, var: Any, old: Any, new: Any, write: _versions.WriteRecord) -> None:

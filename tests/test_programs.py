@@ -422,10 +422,14 @@ def _variables(program: Program, vars0):
     return made
 
 
-def tape_gradients(program: Program, compiled: bool = False, jit: bool = False, untracked: str = "raise"):
+def _state(program: Program):
+    """The program's start values, its variables, and its parameters as tensors."""
     vars0, params0 = program.initial_values()
-    variables = _variables(program, vars0)
-    params = [tf.constant(p, tf.float64) for p in params0]
+    return vars0, params0, _variables(program, vars0), [tf.constant(p, tf.float64) for p in params0]
+
+
+def tape_gradients(program: Program, compiled: bool = False, jit: bool = False, untracked: str = "raise"):
+    vars0, params0, variables, params = _state(program)
 
     def body():
         with AssignAwareTape(untracked_writes=untracked) as tape:
@@ -535,9 +539,7 @@ def _none_as_zeros(grads, like):
 @settings(max_examples=_n(25))
 @given(programs(), st.sampled_from(LAYERS))
 def test_random_programs_with_every_write_in_control_flow(program, layers):
-    vars0, params0 = program.initial_values()
-    variables = _variables(program, vars0)
-    params = [tf.constant(p, tf.float64) for p in params0]
+    vars0, params0, variables, params = _state(program)
 
     @tf.function
     def body(pred, one):
@@ -578,9 +580,7 @@ def _probe(program, grads):
 
 
 def _second_order_tape(program, compiled):
-    vars0, params0 = program.initial_values()
-    variables = _variables(program, vars0)
-    params = [tf.constant(p, tf.float64) for p in params0]
+    vars0, params0, variables, params = _state(program)
 
     def body():
         with AssignAwareTape() as outer:
@@ -714,9 +714,7 @@ class _RewriteEvents:
 
 
 def _with_events_tape(program):
-    vars0, params0 = program.initial_values()
-    variables = _variables(program, vars0)
-    params = [tf.constant(p, tf.float64) for p in params0]
+    vars0, params0, variables, params = _state(program)
     tape = AssignAwareTape(persistent=True)
     store = VariableStore(variables, [tape])
     events = _AwareEvents(tape, params, store)
@@ -797,9 +795,7 @@ def test_the_generator_makes_programs_that_need_the_tape():
 @given(programs(), st.booleans())
 def test_random_programs_variable_targets(program, compiled):
     # Each variable (Keras 3 ones included) as a target means its latest version.
-    vars0, params0 = program.initial_values()
-    variables = _variables(program, vars0)
-    params = [tf.constant(p, tf.float64) for p in params0]
+    vars0, params0, variables, params = _state(program)
 
     def body():
         with AssignAwareTape(persistent=True) as tape:
