@@ -20,6 +20,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Dict, Optional
 
+from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
 from assigntape import _versions
@@ -107,7 +108,17 @@ def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any)
     arguments = bind(("target", "sources", "output_gradients", "unconnected_gradients"), args, kwargs)
     open_now = bool(getattr(instance, "_recording", False))
     start, end = getattr(instance, _START, None), getattr(instance, _END, None)
-    arguments["sources"] = nest.map_structure(lambda s: _map(s, start, False), arguments["sources"])
+    sources = arguments["sources"]
+    flat = nest.flatten(sources)
+    mapped = [_map(s, start, False) for s in flat]
+    arguments["sources"] = mapped
     if arguments.get("target") is not None:
         arguments["target"] = nest.map_structure(lambda t: _map(t, end, open_now), arguments["target"])
-    return wrapped(**arguments)
+    zero = arguments.get("unconnected_gradients") in (UnconnectedGradients.ZERO, "zero")
+    if zero:
+        # TensorFlow cannot build zeros for a raw handle: build them here.
+        arguments["unconnected_gradients"] = UnconnectedGradients.NONE
+    grads = wrapped(**arguments)
+    if zero:
+        grads = [_versions.zeros_like_source(s, m) if g is None else g for g, s, m in zip(grads, flat, mapped)]
+    return nest.pack_sequence_as(sources, grads)

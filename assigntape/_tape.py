@@ -432,17 +432,16 @@ class AssignAwareTape(tf.GradientTape):
 
     def _zeros_for(self, raw: Any, mapped: Any) -> Any:
         # TensorFlow cannot build zeros for a raw resource handle (it has no
-        # float shape or dtype); build them from the variable's own, or, where
-        # its shape is not fully defined, from the version's.
+        # float shape or dtype). Where the variable's shape is not fully
+        # defined, a version's shape is the one recorded at the write after it.
         var = _as_tf_variable(raw)
         if var is None:
             var = self._owners.get(id(mapped))
         if var is None:
             return array_ops.zeros_like(mapped)
-        if var.shape.is_fully_defined():
-            return array_ops.zeros(var.shape, dtype=var.dtype)
-        versions = self._versions.get(var._unique_id, ())
-        for handle, write in zip(versions, self._writes.get(var._unique_id, [])):
-            if handle is mapped and write.old_shape is not None:
-                return array_ops.zeros(write.old_shape, dtype=var.dtype)
-        return array_ops.zeros(_versions.dynamic_shape(mapped), dtype=var.dtype)
+        shape = None
+        uid = var._unique_id
+        for handle, write in zip(self._versions.get(uid, ()), self._writes.get(uid, [])):
+            if handle is mapped:
+                shape = write.old_shape
+        return _versions.zeros_like_source(var, mapped, shape)

@@ -278,6 +278,20 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
     return new
 
 
+def zeros_like_source(source: Any, handle: Any, shape: Any = None) -> Any:
+    """Zeros for a gradient ``source``: a variable (``handle`` its version),
+    whose shape is the variable's, or ``shape`` where given (a version's shape
+    when the variable's is not fully defined), or else the resource's now."""
+    from tensorflow.python.ops import array_ops
+
+    var = resolve(source)
+    if var is None:
+        return array_ops.zeros_like(source)
+    if var.shape.is_fully_defined():
+        return array_ops.zeros(var.shape, dtype=var.dtype)
+    return array_ops.zeros(dynamic_shape(handle) if shape is None else shape, dtype=var.dtype)
+
+
 def dynamic_shape(handle: Any) -> Any:
     """The shape of the variable behind ``handle`` now, as a tensor."""
     from tensorflow.python.ops import gen_resource_variable_ops

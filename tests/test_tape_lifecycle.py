@@ -273,3 +273,20 @@ def test_write_while_closed_to_a_variable_the_tape_never_touched(later_reads_fir
     assert tape.gradient(y, v) is None  # v's start value was overwritten while closed
     assert float(tape.gradient(y, x)) == 7.0
     assert float(later.gradient(z, v)) == 5.0
+
+
+@modes
+def test_plain_tape_beside_ours_fills_zeros_for_unconnected_variables(mode):
+    v, a, u = tf.Variable([1.0, 2.0]), tf.Variable(3.0), tf.Variable([5.0, 6.0])
+
+    def body():
+        with AssignAwareTape():
+            v.assign(v * a)
+            with tf.GradientTape() as plain:
+                y = tf.reduce_sum(v * 2.0)
+            return plain.gradient(y, [v, a, u], unconnected_gradients="zero")
+
+    dv, da, du = run(mode, body)
+    np.testing.assert_array_equal(dv, [2.0, 2.0])
+    assert float(da) == 0.0  # a was used before the plain tape started
+    np.testing.assert_array_equal(du, [0.0, 0.0])
