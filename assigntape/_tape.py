@@ -71,6 +71,7 @@ class AssignAwareTape(tf.GradientTape):
         self._scope: Optional[_versions.Scope] = None
         # Versions current when the tape was entered (written by an outer tape).
         self._start: Dict[str, Any] = {}
+        self._start_owners: Dict[str, Any] = {}  # unique id -> variable, for _start
         # unique id -> [version at tape start, version after each write here].
         self._versions: Dict[str, List[Any]] = {}
         # id(version handle) -> the tf.Variable it belongs to.
@@ -96,7 +97,7 @@ class AssignAwareTape(tf.GradientTape):
         scope = self._scope = _versions.open_scope(self)
         if not self._entered:
             self._entered = True
-            self._start = dict(scope.current)
+            self._snapshot_start(scope)
             return self
         # Entered again. Each variable carries on from this tape's latest
         # version, unless it was written while the tape was closed: by a tape
@@ -104,22 +105,25 @@ class AssignAwareTape(tf.GradientTape):
         # the write) or with no tape open (noted while closed). Either way, for
         # this tape the write has no gradient path, as under stop_recording().
         written = self._written_while_closed
-        for uid, versions in self._versions.items():
-            var = self._owners[id(versions[0])]
+        latest = {uid: versions[-1] for uid, versions in self._versions.items()}
+        for uid, handle in self._start.items():
+            latest.setdefault(uid, handle)
+        for uid, mine in latest.items():
+            var = self._owners[id(mine)] if id(mine) in self._owners else self._start_owners[uid]
             current = scope.current.get(uid)
             if current is None:
-                current = versions[-1]
+                current = mine
                 scope.current[uid] = current
                 scope.owners[id(current)] = var
                 scope.canonical[id(_versions.canonical_handle(var))] = var
                 if written.pop(id(_versions.canonical_handle(var)), None) is not None:
                     scope.advance(var, current, _versions.new_version(current, None), _versions.CLOSED_WRITE)
                     continue
-            if current is not versions[-1]:
-                self._note_write(var, versions[-1], current, _versions.CLOSED_WRITE)
+            if current is not mine:
+                self._note_write(var, mine, current, _versions.CLOSED_WRITE)
         for uid, current in scope.current.items():
             var = scope.owners.get(id(current))
-            if uid not in self._versions and var is not None:
+            if uid not in latest and var is not None:
                 start = self._start.get(uid, _versions.canonical_handle(var))
                 if current is not start:
                     self._note_write(var, start, current, _versions.CLOSED_WRITE)
@@ -165,7 +169,14 @@ class AssignAwareTape(tf.GradientTape):
         self._escapes.clear()
         self._written_while_closed.clear()
         self._entered = self._scope is not None
-        self._start = dict(self._scope.current) if self._scope is not None else {}
+        self._start, self._start_owners = {}, {}
+        if self._scope is not None:
+            self._snapshot_start(self._scope)
+
+    def _snapshot_start(self, scope: _versions.Scope) -> None:
+        """The versions current now (written by another tape) start this tape."""
+        self._start = dict(scope.current)
+        self._start_owners = {uid: scope.owners[id(h)] for uid, h in self._start.items()}
 
     def watch(self, tensor: Any) -> None:
         """As ``tf.GradientTape.watch``; a wrapped variable (Keras 3, mixed
