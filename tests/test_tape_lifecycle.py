@@ -290,3 +290,16 @@ def test_plain_tape_beside_ours_fills_zeros_for_unconnected_variables(mode):
     np.testing.assert_array_equal(dv, [2.0, 2.0])
     assert float(da) == 0.0  # a was used before the plain tape started
     np.testing.assert_array_equal(du, [0.0, 0.0])
+
+
+def test_reentered_tape_after_reset_keeps_the_versions_it_started_from():
+    v, a = tf.Variable(1.0), tf.Variable(3.0)
+    tape = AssignAwareTape(persistent=True)
+    with tape:
+        v.assign(a * 2.0)
+        tape.reset()  # from here, v's version is the one a*2 made
+        _ = v * 1.0
+    with tape:  # nothing was written in between
+        y = v * v
+    assert float(tape.gradient(y, v)) == 12.0  # 2 * 6
+    assert tape.gradient(y, a) is None  # the write to v is before the reset
