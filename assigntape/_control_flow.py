@@ -12,24 +12,34 @@ unchanged value), and after the cond each written variable gets a new version
 fed by the cond's output, so the cond's own gradient routes into whichever
 branch ran. A cond built inside a branch does the same one level down: its
 outputs become that branch's latest values (``Branch.parent``).
+
+Inside every body the variable's *resource* is one tensor only, the tape-level
+version, captured down through each level; what crosses a body's boundary is
+values, never a handle made in another body. Two handles of one variable given
+to the same ``If`` or ``While`` become two separate resources when XLA compiles
+it, and a read through one then misses a write through the other.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import record
-from tensorflow.python.framework import ops
+from tensorflow.python.framework import auto_control_deps, composite_tensor, ops
+from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import (
     array_ops,
+    control_flow_util,
     gen_resource_variable_ops,
     handle_data_util,
     math_ops,
     resource_variable_ops,
+    tensor_array_ops,
 )
+from tensorflow.python.util import nest, variable_utils
 
 from assigntape import _rules, _versions
 from assigntape._wrapping import bind, params_of
@@ -47,6 +57,110 @@ def _branch_version_grad(op: Any, grad_handle: Any, grad_value: Any) -> List[Any
     return [None, math_ops.add_n(grads) if grads else None]
 
 
+def _is_branch_version(op: Any) -> bool:
+    if op.type != "IdentityN":
+        return False
+    try:
+        return bool(op.get_attr("_gradient_op_type") == _BRANCH_VERSION_GRAD.encode())
+    except ValueError:
+        return False
+
+
+def _resolve_branch_versions(op: Any, reads: Any, writes: Any) -> bool:
+    """Automatic control dependencies, for a branch version's handle: the
+    resource it touches is its input's (as TensorFlow's own resolver does for
+    ``Identity``). Every op on any version in a body is then ordered in program
+    order, like the ops on one handle: a read of an earlier version runs before
+    a later write, also one inside a nested cond or loop, which is given the
+    tape-level version."""
+    del op
+
+    def update(resources: Any) -> bool:
+        found = [t for t in resources if _is_branch_version(t.op)]
+        for t in found:
+            resources.discard(t)
+            resources.add(t.op.inputs[t.value_index])
+        return bool(found)
+
+    return bool(update(reads) | update(writes))
+
+
+try:
+    auto_control_deps.register_acd_resource_resolver(_resolve_branch_versions)
+except KeyError:  # registered already (the module was reloaded)
+    pass
+
+
+def _version_handle(branch: Any, var: Any, value: Any, after: Optional[Any]) -> Any:
+    """A handle for ``var`` in ``branch``'s graph standing for ``value``, for
+    reads that run after ``after``.
+
+    The handle's resource input is the tape-level version, made outside every
+    body: TensorFlow's loop and cond gradients trace a resource a nested body
+    was given back to an input of the body around it, which a handle made in a
+    body cannot be traced to, and under XLA a second handle of the variable
+    given to a nested ``If`` or ``While`` would be a second, stale resource
+    there. Its registered gradient goes to ``value``. (Ops on it are ordered
+    with those on the tape-level version by ``_resolve_branch_versions``.)
+    """
+    root = branch.scope.current_version(var)
+    with ops.control_dependencies([] if after is None else [after]), ops.get_default_graph().gradient_override_map(
+        {"IdentityN": _BRANCH_VERSION_GRAD}
+    ):
+        handle = array_ops.identity_n([root, value])[0]
+    handle_data_util.copy_handle_data(root, handle)
+    branch.scope.owners[id(handle)] = var
+    return handle
+
+
+def _inherit(branch: Any) -> None:
+    """Gives a body just opened (a cond branch or loop body nested in another)
+    a handle of its own for every variable an enclosing body wrote, fed by that
+    body's latest value: a value can enter the nested body, a handle made in
+    the enclosing one must not (see ``_version_handle``)."""
+    outer = branch.parent
+    while outer is not None:  # nearest first: its value is the latest
+        for uid, (var, value) in outer.values.items():
+            if uid not in branch.versions:
+                branch.versions[uid] = _version_handle(branch, var, value, None)
+        outer = outer.parent
+
+
+def _open(scope: Any, parent: Any, carried: Optional[List[str]] = None, token: Any = None) -> Any:
+    branch = _versions.open_branch(scope, parent, carried, token)
+    try:
+        _inherit(branch)
+    except BaseException:
+        _versions.close_branch(branch)
+        raise
+    return branch
+
+
+# What a body may return unconverted; anything else, TensorFlow converts once
+# the body function has returned (see ``_read_now``).
+_OUTPUTS = (tensor_lib.Tensor, composite_tensor.CompositeTensor, tensor_array_ops.TensorArray, ops.Operation)
+
+
+def _read_now(structure: Any) -> Any:
+    """A body's outputs, with the variables among them (and anything else
+    TensorFlow converts to a tensor) read now, while the body is open.
+
+    TensorFlow reads them itself once the body function has returned, after
+    the tape closed its record of the body: the read would credit the version
+    from before the body's writes."""
+    structure = variable_utils.convert_variables_to_tensors(structure)
+
+    def read(x: Any) -> Any:
+        if x is None or isinstance(x, _OUTPUTS):
+            return x
+        try:
+            return ops.convert_to_tensor_or_composite(x)
+        except (TypeError, ValueError):
+            return x  # not a tensor: TensorFlow reports it, in its own words
+
+    return nest.map_structure(read, structure)
+
+
 def branch_write(
     op_name: str, rule: _rules.Rule, wrapped: Callable[..., Any], arguments: Dict[str, Any], branch: Any, var: Any
 ) -> Any:
@@ -61,12 +175,15 @@ def branch_write(
     """
     old = branch.version_of(var)
     old_value = gen_resource_variable_ops.read_variable_op(old, var.dtype)
+    # The rule's checks (duplicate indices) guard the write here as anywhere
+    # (under XLA, indices known while tracing to repeat are refused right here).
+    write = rule.prepare(var, old, arguments)
     value = rule.value(old_value, arguments)
     if pywrap_tfe.TFE_Py_TapeSetIsStopped() or not any(t._recording for t in branch.scope.tapes):
         # Under stop_recording: a new version with no gradient path, as outside.
         value = array_ops.stop_gradient(value)
-    # The rule's checks (duplicate indices) guard the write here as anywhere.
-    write = rule.prepare(var, old, arguments)
+    else:
+        value = _poison_duplicates(op_name, var, arguments, value)
     with ops.control_dependencies([old_value.op, *write.checks]):
         result = wrapped(**arguments)
     if write.reads_old:
@@ -86,19 +203,54 @@ def _branch_version(branch: Any, var: Any, value: Any, after: Any) -> None:
         # loop to trace again, carrying it (see ``while_loop``).
         _retry.request = (branch.token, var)
         raise _NotCarried(f"{var.name!r} is written in a loop body that does not carry it yet")
-    # The handle's resource input is the tape-level version, made outside every
-    # body: a loop's gradient cannot use a resource made in a loop body. The
-    # control dependency, not the input, orders later reads after ``after``.
-    root = branch.scope.current_version(var)
-    with ops.control_dependencies([after]), ops.get_default_graph().gradient_override_map(
-        {"IdentityN": _BRANCH_VERSION_GRAD}
-    ):
-        handle = array_ops.identity_n([root, value])[0]
-    handle_data_util.copy_handle_data(root, handle)
-    branch.versions[var._unique_id] = handle
+    branch.versions[var._unique_id] = _version_handle(branch, var, value, after)
     branch.values[var._unique_id] = (var, value)
-    branch.scope.owners[id(handle)] = var
     branch.scope.canonical[id(_versions.canonical_handle(var))] = var
+
+
+# -- duplicate indices under XLA -------------------------------------------------
+
+_POISON_GRAD = "AssigntapeDuplicateIndices"
+
+
+@ops.RegisterGradient(_POISON_GRAD)
+def _poison_grad(op: Any, grad: Any, _: Any) -> List[Any]:
+    """NaN where the write's indices repeat: the gradient there depends on how
+    TensorFlow combined the duplicates, which the rule does not model."""
+    if grad is None:
+        return [None, None]
+    grad = ops.convert_to_tensor(grad)
+    nan = array_ops.fill(array_ops.shape(grad), math_ops.cast(float("nan"), grad.dtype))
+    return [array_ops.where(op.inputs[1], nan, grad), None]
+
+
+def _poison_duplicates(op_name: str, var: Any, arguments: Dict[str, Any], value: Any) -> Any:
+    """``value``, whose gradient is NaN at every position a scatter write wrote
+    more than once, for a write whose gradient depends on the order of
+    duplicates (``_rules._no_duplicates``) compiled by XLA, where the check that
+    refuses it at run time is dropped. Indices known while tracing were refused
+    already; any other value is returned as it is."""
+    if not control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
+        return value
+    nd_form = op_name.startswith("ResourceScatterNd")
+    prefix = "ResourceScatterNd" if nd_form else "ResourceScatter"
+    # The scatter writes with a combine of their own (update, mul, div, min,
+    # max) are the ones _no_duplicates guards; add and sub sum duplicates.
+    if not op_name.startswith(prefix) or op_name[len(prefix):].lower() not in _rules.COMBINES:
+        return value
+    idx = _rules._nd(arguments["indices"], nd_form)
+    idx = array_ops.reshape(idx, [-1, idx.shape[-1]])
+    repeated = _rules._repeated(var, idx)
+    # One flag per written row, spread over the positions it writes.
+    rows = array_ops.gather_nd(value, idx)
+    flags = math_ops.cast(repeated, "float32")
+    trailing = array_ops.ones_like(array_ops.shape(rows)[1:])
+    flags = array_ops.reshape(flags, array_ops.concat([array_ops.shape(flags), trailing], 0))
+    hits = array_ops.scatter_nd(
+        idx, array_ops.broadcast_to(flags, array_ops.shape(rows)), array_ops.shape(value, out_type=idx.dtype)
+    )
+    with ops.get_default_graph().gradient_override_map({"IdentityN": _POISON_GRAD}):
+        return array_ops.identity_n([value, math_ops.greater(hits, 0.0)])[0]
 
 
 def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -119,12 +271,14 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
 
     def traced(fn: Callable[[], Any]) -> Callable[[], Any]:
         def branch_fn() -> Any:
-            branch = _versions.open_branch(scope, parent)
+            branch = _open(scope, parent)
             branches.append(branch)
             try:
-                out = fn()
+                out = _read_now(fn())
             finally:
                 _versions.close_branch(branch)
+            # The user's outputs keep their structure, whatever it is: they are
+            # one item of this pair, and only the pair is taken apart.
             return out, {uid: value for uid, (_, value) in branch.values.items()}
 
         return branch_fn
@@ -174,9 +328,10 @@ def build_cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
         values = dict(values)
         with graph.as_default():
             for uid in written.keys() - values.keys():
-                # This branch leaves the variable as it was: its value, read here.
+                # This branch leaves the variable as it was: its value, read here
+                # through the branch's own handle (never one of the graph around).
                 var = written[uid]
-                values[uid] = gen_resource_variable_ops.read_variable_op(branch.outer_version_of(var), var.dtype)
+                values[uid] = gen_resource_variable_ops.read_variable_op(branch.version_of(var), var.dtype)
         graph.structured_outputs = (out, values)
         graph.outputs[:] = base + [values[uid] for uid in sorted(values)]
     true_graph, false_graph = arguments["true_graph"], arguments["false_graph"]
@@ -238,50 +393,65 @@ def while_loop(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
 def _carrying(
     wrapped: Callable[..., Any], arguments: Dict[str, Any], scope: Any, parent: Any, carried: List[Any], token: Any
 ) -> Any:
-    """Builds the loop with ``carried``'s values as extra loop state."""
+    """Builds the loop with ``carried``'s values as extra loop state.
+
+    The loop state is the pair (the user's ``loop_vars``, the carried values):
+    TensorFlow hands the body the user's part taken apart exactly as it would
+    have without the pair, checks the body's result against it, and packs the
+    result back into it, for any structure ``tf.nest`` knows (lists, tuples,
+    namedtuples, dicts, attrs classes, nested), with its shape invariants."""
     loop_vars = arguments["loop_vars"]
     user_cond, user_body = arguments["cond"], arguments["body"]
     if not carried:
         # First attempt: carry nothing, but watch the body for writes.
         def watched_body(*state: Any) -> Any:
-            body = _versions.open_branch(scope, parent, [], token)
+            body = _open(scope, parent, [], token)
             try:
-                return user_body(*state)
+                return _read_now(user_body(*state))
             finally:
                 _versions.close_branch(body)
 
         return wrapped(**dict(arguments, body=watched_body))
-    n = len(loop_vars)
     uids = [v._unique_id for v in carried]
     outer = [_versions.version_in(scope, parent, v) for v in carried]
     start = tuple(gen_resource_variable_ops.read_variable_op(h, v.dtype) for h, v in zip(outer, carried))
     for v in carried:
         resource_variable_ops.variable_accessed(v)  # the start value's gradient goes to v
 
-    def cond_fn(*state: Any) -> Any:
-        return user_cond(*state[:n])
+    def cond_fn(state: Any, values: Any) -> Any:
+        return user_cond(*state)
 
-    def body_fn(*state: Any) -> Any:
+    def body_fn(state: Any, values: Any) -> Any:
         body = _versions.open_branch(scope, parent, uids, token)
         try:
-            for v, value in zip(carried, state[n]):
+            for v, value in zip(carried, values):
                 # This iteration's value of v is the state it was handed.
                 _branch_version(body, v, value, value)
-            out = user_body(*state[:n])
+            _inherit(body)
+            out = _read_now(user_body(*state))
         finally:
             _versions.close_branch(body)
-        out = list(out) if isinstance(out, (list, tuple)) else [out]
-        return out + [tuple(body.values[uid][1] for uid in uids)]
+        if not nest.is_nested(out):
+            out = [out]  # as TensorFlow does: a body may return its only variable bare
+        return out, tuple(body.values[uid][1] for uid in uids)
 
     invariants = arguments.get("shape_invariants")
     if invariants is not None:
-        invariants = list(invariants) + [tuple(t.shape for t in start)]
-    result = wrapped(
-        **dict(arguments, cond=cond_fn, body=body_fn, loop_vars=list(loop_vars) + [start], shape_invariants=invariants)
+        invariants = (invariants, tuple(t.shape for t in start))
+    result, final = wrapped(
+        **dict(
+            arguments,
+            cond=cond_fn,
+            body=body_fn,
+            loop_vars=(loop_vars, start),
+            shape_invariants=invariants,
+            return_same_structure=True,
+        )
     )
-    for v, value in zip(carried, result[-1]):
+    for v, value in zip(carried, final):
         _leave(scope, parent, v, value, "tf.while_loop")
-    rest = list(result[:-1])
-    if not arguments.get("return_same_structure", True) and len(rest) == 1:
-        return rest[0]
-    return type(loop_vars)(rest) if isinstance(loop_vars, tuple) else rest
+    if arguments.get("return_same_structure", True):
+        return result
+    # As TensorFlow does without return_same_structure: one tensor comes back bare.
+    flat = nest.flatten(result, expand_composites=True)
+    return flat[0] if len(flat) == 1 else result

@@ -9,9 +9,11 @@ tape in the process closes:
   the same functions as ``tf.raw_ops.<Op>``) get a wrapper. For an op with a
   gradient rule in ``_rules.RULES`` it performs the real write, then makes the
   new version and records it on the tape (inside a ``tf.cond`` branch or a
-  loop body, see ``_control_flow``). For the other writes (``_rules.refused``:
-  the fused optimizer kernels, the XLA concat write, ...), which have no rule,
-  it refuses the write (or cuts the gradient, by option).
+  loop body, see ``_control_flow``). A fused optimizer kernel
+  (``ResourceApply*``, rules in ``_fused``) makes a version of the variable and
+  of every slot it writes. For the other writes (``_rules.refused``: the XLA
+  concat write, ...), which have no rule, it refuses the write (or cuts the
+  gradient, by option).
 * A few functions and methods, each wrapped for one topic with its own module:
   see ``_attribute_patches``.
 
@@ -31,11 +33,12 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
-from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import distribute_lib, distribute_utils
 from tensorflow.python.eager import backprop, record
 from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
-from tensorflow.python.framework import dtypes, ops
+from tensorflow.python.framework import dtypes, indexed_slices, ops
 from tensorflow.python.framework import tensor as tensor_lib
+from tensorflow.python.training import optimizer as v1_optimizer
 from tensorflow.python.ops import (
     cond_v2,
     gen_array_ops,
@@ -46,8 +49,8 @@ from tensorflow.python.ops import (
     while_v2,
 )
 
-from assigntape import _control_flow, _diagnostics, _distribute, _functions, _plain_tapes, _rules, _versions
-from assigntape._errors import UntrackedWriteError
+from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _plain_tapes, _rules, _versions
+from assigntape._errors import ControlFlowWriteError, UntrackedWriteError
 from assigntape._wrapping import Wrapper, bind
 
 __all__ = ["acquire", "release", "installed"]
@@ -125,6 +128,101 @@ def _tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Ca
     return wrapper
 
 
+def _fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> Callable[..., Any]:
+    """The wrapper of a fused optimizer kernel (``ResourceApply*``), which
+    writes a variable and its slots in one op (see ``_fused``).
+
+    Before the kernel runs, the previous version of every resource it writes
+    is read, recorded, so that TensorFlow's own tape connects the kernel's
+    functional form to those versions, the gradient and the hyperparameters.
+    The real kernel then computes the values the program sees. Each written
+    variable gets a new version, recorded as an identity of its functional
+    value: the backward pass is TensorFlow's gradient of the form, correct to
+    any order.
+    """
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+        arguments = bind(params, args, kwargs)
+        handles = {name: arguments.get(name) for name in kernel.writes}
+        owners = {name: _versions.owner(handle) for name, handle in handles.items()}
+        for name, handle in handles.items():
+            owner = owners[name]
+            _other_thread(handle, None if owner is None else owner[1], op_name)
+        found = {name: f for name, f in owners.items() if f is not None and _versions.differentiable(f[1])}
+        if not found:
+            for handle in handles.values():
+                _versions.note_write_while_closed(handle)
+            return wrapped(*args, **kwargs)
+        tracked = {name: var for name, (_, var) in found.items()}
+        # Every handle the op is given is found in the scope of the graph being built.
+        scope, first = next(iter(found.values()))
+        if _versions.check_writable_here(scope, first, op_name) is not None:
+            # A cond branch or loop body follows writes one variable at a time
+            # (_control_flow); a kernel writes several.
+            raise ControlFlowWriteError(
+                f"{op_name} to variable {first.name!r} inside a tf.cond branch or a graph loop "
+                "body of the tape's function: the tape differentiates fused optimizer kernels "
+                "only at the function's top level for now. Take the optimizer step outside the "
+                "cond or loop (a Python loop unrolls), or use a Keras 3 optimizer (or assign / "
+                "assign_sub), whose writes the tape follows in branches and loops."
+            )
+        for name in kernel.inputs:
+            # Numbers become tensors of the variable's dtype, once, for the kernel
+            # and the form alike; a tensor of another dtype is left for the kernel
+            # to refuse with TensorFlow's own error.
+            if name in arguments and not isinstance(arguments[name], tensor_lib.Tensor):
+                arguments[name] = ops.convert_to_tensor(arguments[name], dtype=first.dtype)
+        checks: List[Any] = []
+        if kernel.sparse:
+            arguments["indices"] = ops.convert_to_tensor(arguments["indices"])
+            checks = _fused.no_duplicates(arguments["indices"], first.name, op_name)
+        # The previous versions: a tracked variable's current one (whichever of
+        # its handles the op was given, it writes the same resource), else the
+        # handle given (a variable the tape does not know: no version for it).
+        old = {name: scope.current_version(tracked[name]) if name in tracked else h for name, h in handles.items()}
+        shapes = {
+            name: _versions.dynamic_shape(old[name])
+            for name, var in tracked.items()
+            if not var.shape.is_fully_defined()
+        }
+        recording = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
+        values: Dict[str, Any] = {}
+        if recording:
+            # Watched, as a read is (a never-read variable's start-of-tape version
+            # would not be), then read before the kernel overwrites them.
+            for var in tracked.values():
+                resource_variable_ops.variable_accessed(var)
+            values = {
+                name: gen_resource_variable_ops.read_variable_op(handle, first.dtype)
+                for name, handle in old.items()
+            }
+        # In a graph, the reads (and the duplicate check) must run before the kernel.
+        with ops.control_dependencies(list(values.values()) + checks):
+            result = wrapped(**arguments)
+        for name, handle in handles.items():
+            _versions.note_write_while_closed(handle, tracked.get(name))
+        new_values = _fused.new_values(kernel, values, arguments) if recording else {}
+        for name in _fused.written(kernel, arguments):
+            var = tracked.get(name)
+            if var is None:
+                continue
+            new = _versions.new_version(old[name], result)
+            if recording:
+                record.record_operation(op_name, [new], [new_values[name]], _identity_backward)
+            write = _versions.WriteRecord(op_name, recorded=recording, old_shape=shapes.get(name))
+            scope.advance(var, old[name], new, write)
+        return result
+
+    return wrapper
+
+
+def _identity_backward(g: Any) -> List[Any]:
+    # A read through tf.gather gives IndexedSlices; the form's ops want tensors.
+    if isinstance(g, indexed_slices.IndexedSlices):
+        return [ops.convert_to_tensor(g)]
+    return [g]
+
+
 def _resource_arguments(arguments: Dict[str, Any]) -> List[Any]:
     """The resource tensors among an op's arguments, including those in lists
     (an op that writes ``N`` variables takes them as one list argument)."""
@@ -199,8 +297,11 @@ def _patch_targets() -> List[Tuple[List[Tuple[Any, str]], Any, Callable[..., Any
         snake = _snake(op_name, module)
         original = vars(module)[snake]
         params = list(original.__code__.co_varnames[: original.__code__.co_argcount])
-        if op_name in _rules.RULES:
-            wrapper = _tracked_write(op_name, _rules.RULES[op_name], params)
+        rule = _rules.RULES.get(op_name)
+        if isinstance(rule, _fused.Kernel):
+            wrapper = _fused_write(op_name, rule, params)
+        elif rule is not None:
+            wrapper = _tracked_write(op_name, rule, params)
         else:
             wrapper = _untracked_write(op_name, params)
         # The snake-case wrapper and the raw op (`module.OpName`, which
@@ -247,6 +348,26 @@ def _build_wrappers() -> None:
     _groups[:] = by_owner.values()
 
 
+def _v1_slot_key(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``tf.compat.v1`` optimizers' ``_var_key``: the key of a variable's slots.
+
+    TensorFlow keys a variable by its op where it has one, else by its unique
+    id. In a tape's graph a written variable answers ``_handle``, and so
+    ``op``, with its current version, a graph tensor, while its slots were
+    keyed when made (eagerly, in ``init_scope``) by its unique id: the next
+    step would not find them. Key an eager variable by its unique id, as with
+    no tape.
+    """
+    var = args[0] if args else kwargs["var"]
+    if (
+        isinstance(var, resource_variable_ops.BaseResourceVariable)
+        and distribute_utils.value_container(var) is var
+        and isinstance(var.__dict__.get("_handle"), ops.EagerTensor)
+    ):
+        return var._unique_id
+    return wrapped(*args, **kwargs)
+
+
 def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
     """The patches besides the op wrappers: (owner, attribute, wrapper function)."""
     return [
@@ -261,6 +382,9 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (backprop.GradientTape, "__enter__", _plain_tapes.enter),
         (backprop.GradientTape, "__exit__", _plain_tapes.exit),
         (backprop.GradientTape, "gradient", _plain_tapes.gradient),
+        # The slots of tf.compat.v1 optimizers, whose fused kernels are
+        # differentiated (_fused), found again after a write in a tape's graph.
+        (v1_optimizer, "_var_key", _v1_slot_key),
         # tf.cond and graph loops, which TensorFlow calls through the module
         # attributes (_control_flow).
         (cond_v2, "cond_v2", _control_flow.cond),

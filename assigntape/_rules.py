@@ -23,17 +23,20 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
+import numpy as np
 from tensorflow.python.eager import context, record
-from tensorflow.python.framework import indexed_slices, ops
+from tensorflow.python.framework import indexed_slices, ops, tensor_util
 from tensorflow.python.ops import (
     array_ops,
     check_ops,
+    control_flow_util,
     gen_array_ops,
     gen_resource_variable_ops,
     math_ops,
     resource_variable_ops,
 )
 
+from assigntape import _fused
 from assigntape._errors import DuplicateIndicesError
 
 __all__ = [
@@ -165,10 +168,49 @@ def _linear(nd_indices: Any, var: Any) -> Any:
     return math_ops.reduce_sum(array_ops.reshape(nd_indices, [-1, depth]) * strides, axis=1)
 
 
-def _no_duplicates(var: Any, nd_indices: Any, op_name: str) -> List[Any]:
-    """Refuses a write whose result or gradient depends on duplicate order."""
+def _repeated(var: Any, nd_indices: Any) -> Any:
+    """For each index row: whether another row writes the same position. (Of
+    ops XLA compiles: not UniqueWithCounts.)"""
     flat = _linear(nd_indices, var)
-    unique = array_ops.size(array_ops.unique(flat)[0])
+    _, position = array_ops.unique(flat)
+    counts = math_ops.unsorted_segment_sum(array_ops.ones_like(position), position, array_ops.size(flat))
+    return math_ops.greater(array_ops.gather(counts, position), 1)
+
+
+def _in_xla() -> bool:
+    return not context.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
+
+
+def _nan_where(repeated: Any, g_rows: Any) -> Any:
+    """``g_rows`` with NaN in the rows whose index repeats."""
+    trailing = array_ops.ones_like(array_ops.shape(g_rows)[array_ops.rank(repeated):])
+    mask = array_ops.reshape(repeated, array_ops.concat([array_ops.shape(repeated), trailing], 0))
+    mask = array_ops.broadcast_to(mask, array_ops.shape(g_rows))
+    nan = array_ops.fill(array_ops.shape(g_rows), math_ops.cast(float("nan"), g_rows.dtype))
+    return array_ops.where(mask, nan, g_rows)
+
+
+def _static_rows(nd_indices: Any) -> Optional[np.ndarray]:
+    """The index rows, if they are known while tracing: constants, also in
+    the row form ``_nd`` gives ``scatter_*`` indices (their ExpandDims)."""
+    value = tensor_util.constant_value(nd_indices)
+    op = nd_indices.op
+    if value is None and op.type == "ExpandDims":
+        inner, axis = tensor_util.constant_value(op.inputs[0]), tensor_util.constant_value(op.inputs[1])
+        if inner is not None and axis is not None:
+            value = np.expand_dims(inner, int(axis))
+    return None if value is None else np.reshape(value, [-1, value.shape[-1]])
+
+
+def _no_duplicates(var: Any, nd_indices: Any, op_name: str) -> List[Any]:
+    """Refuses a write whose result or gradient depends on duplicate order.
+
+    Eagerly it raises ``DuplicateIndicesError``; in a graph it returns an
+    assertion for the write to wait for. XLA drops assertions, so there
+    indices known while tracing are refused while tracing, and for indices
+    known only at run time it returns nothing: the write must make its own
+    gradient NaN where its indices repeat (``_repeated``), as a write in a
+    ``tf.cond`` branch or loop body does (``_control_flow``)."""
     message = (
         f"{op_name} on variable {var.name!r} has duplicate indices. With duplicates "
         "the written value depends on the order TensorFlow applies them (update) or "
@@ -176,6 +218,16 @@ def _no_duplicates(var: Any, nd_indices: Any, op_name: str) -> List[Any]:
         "indices. Combine the updates per index first (tf.math.unsorted_segment_*), "
         "or write with scatter_add / scatter_nd_add, which sum duplicates."
     )
+    if _in_xla():
+        rows = _static_rows(nd_indices)
+        if rows is not None and len(np.unique(rows, axis=0)) != len(rows):
+            raise DuplicateIndicesError(
+                message + " (Refused while tracing: XLA compiles this function and drops the "
+                "run-time check.)"
+            )
+        return []
+    flat = _linear(nd_indices, var)
+    unique = array_ops.size(array_ops.unique(flat)[0])
     if context.executing_eagerly():
         if int(unique) != int(array_ops.size(flat)):
             raise DuplicateIndicesError(message)
@@ -224,6 +276,11 @@ def _scatter(combine: str, nd_form: bool) -> Rule:
         updates = args["updates"]
         checks = [] if additive else _no_duplicates(var, idx, op_name)
         rows = None if additive or vjp is None else _recorded_rows(var, old, idx)
+        # Under XLA the run-time duplicate check is gone: make the gradient NaN
+        # where indices repeat, which cannot pass for a gradient.
+        repeated = None if additive or not _in_xla() else array_ops.reshape(
+            _repeated(var, array_ops.reshape(idx, [-1, idx.shape[-1]])), array_ops.shape(idx)[:-1]
+        )
 
         def backward(g: Any) -> List[Any]:
             g = _dense(g)
@@ -234,6 +291,8 @@ def _scatter(combine: str, nd_form: bool) -> Rule:
                 g_kept, g_u = array_ops.zeros_like(g_rows), g_rows
             else:
                 g_kept, g_u = vjp(rows, _broadcast(updates, rows), g_rows)
+            if repeated is not None:
+                g_kept, g_u = _nan_where(repeated, g_kept), _nan_where(repeated, g_u)
             return [gen_array_ops.tensor_scatter_update(g, idx, g_kept), _unbroadcast(g_u, updates)]
 
         return Write([old, updates], backward, True, checks)
@@ -275,7 +334,7 @@ def _slice_assign(var: Any, old: Any, args: Args) -> Write:
 
 # -- the registry ----------------------------------------------------------------
 
-RULES: Dict[str, Rule] = {
+RULES: Dict[str, Rule | _fused.Kernel] = {
     "AssignVariableOp": _whole("assign"),
     "AssignAddVariableOp": _whole("assign_add"),
     "AssignSubVariableOp": _whole("assign_sub"),
@@ -286,8 +345,14 @@ for _combine in ("update", "add", "sub", "mul", "div", "min", "max"):
 for _combine in ("update", "add", "sub", "min", "max"):
     RULES["ResourceScatterNd" + _combine.capitalize()] = _scatter(_combine, nd_form=True)
 
-# Ops that write variables and that the tape does not differentiate: the fused
-# optimizer kernels of legacy Keras 2 (tf_keras) and tf.compat.v1 optimizers.
+# The fused optimizer kernels of tf.compat.v1.train and tf_keras.optimizers.legacy
+# write a variable and its slots in one op: their rules are ``_fused.Kernel``s
+# (the functional form of every value the kernel writes), not ``Rule``s, and
+# ``_patches._fused_write`` applies them.
+RULES.update(_fused.KERNELS)
+
+# The fused kernels' prefixes: a kernel without a rule in ``_fused`` (one a future
+# TensorFlow adds) writes variables the tape does not differentiate, and is refused.
 UNDIFFERENTIABLE_PREFIXES = ("ResourceApply", "ResourceSparseApply")
 
 del _combine
@@ -297,12 +362,13 @@ del _combine
 #
 # tests/test_write_op_coverage.py walks TensorFlow's op registry and fails on any
 # op with a DT_RESOURCE input that none of these tables names: RULES
-# (differentiated), refused() (REFUSED_WRITES and UNDIFFERENTIABLE_PREFIXES) or
-# NOT_VARIABLE_WRITES. A write op added by a future TensorFlow then fails CI
-# instead of writing a tracked variable behind the tape's back, which would give
-# a silently wrong gradient. The tables name exact ops, so every new op is
-# looked at by a person (the one exception is the fused-kernel prefixes, whose
-# new members are refused wherever their wrapper lives; the test checks that).
+# (differentiated), refused() (REFUSED_WRITES, and UNDIFFERENTIABLE_PREFIXES
+# without a rule) or NOT_VARIABLE_WRITES. A write op added by a future
+# TensorFlow then fails CI instead of writing a tracked variable behind the
+# tape's back, which would give a silently wrong gradient. The tables name exact
+# ops, so every new op is looked at by a person (the one exception is the
+# fused-kernel prefixes, whose new members without a rule are refused wherever
+# their wrapper lives; the test checks that).
 
 # Ops that write a variable (a ``tensorflow::Var``) and have no rule: refused
 # with UntrackedWriteError when the variable is one a tape tracks. Where
@@ -345,7 +411,9 @@ REFUSED_WRITES: frozenset[str] = frozenset(
 
 def refused(op_type: str) -> bool:
     """Whether an op writes variables the tape refuses (it has no rule)."""
-    return op_type in REFUSED_WRITES or op_type.startswith(UNDIFFERENTIABLE_PREFIXES)
+    if op_type in REFUSED_WRITES:
+        return True
+    return op_type.startswith(UNDIFFERENTIABLE_PREFIXES) and op_type not in RULES
 
 
 # Ops with a DT_RESOURCE input that never write a variable's value, by group:

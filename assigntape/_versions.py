@@ -397,9 +397,6 @@ class Branch:
         handle = self.version_of_uid(var._unique_id)
         return self.scope.current_version(var) if handle is None else handle
 
-    def outer_version_of(self, var: Any) -> Any:
-        """The variable's version in the graph around this branch."""
-        return version_in(self.scope, self.parent, var)
 
 
 def version_in(scope: Scope, branch: Optional[Branch], var: Any) -> Any:

@@ -1,8 +1,10 @@
-"""Legacy Keras 2 (tf_keras) optimizers.
+"""Keras 2 (tf_keras) optimizers.
 
-The optimizers of ``tf_keras.optimizers`` update with assign ops, so their steps
-are differentiable. Those of ``tf_keras.optimizers.legacy`` call fused
-``ResourceApply*`` kernels, which the tape refuses, pointing to Keras 3.
+The optimizers of ``tf_keras.optimizers`` update with assign ops; those of
+``tf_keras.optimizers.legacy`` call fused ``ResourceApply*`` kernels, which the
+tape differentiates through their rules (``assigntape/_fused.py``; every legacy
+optimizer is tested in ``tests/test_fused_optimizers.py``). Both kinds of step
+are differentiable.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from assigntape import AssignAwareTape, UntrackedWriteError
+from assigntape import AssignAwareTape
 from oracle import central_difference
 
 W0 = np.array([1.0, 2.0, -0.5])
@@ -21,13 +23,25 @@ OPTIMIZERS = {
     "sgd": lambda: tf_keras.optimizers.SGD(0.1),
     "sgd_momentum": lambda: tf_keras.optimizers.SGD(0.1, momentum=0.9),
     "adam": lambda: tf_keras.optimizers.Adam(0.1),
+    # Fused kernels: ResourceApplyGradientDescent, ResourceApplyKerasMomentum,
+    # ResourceApplyAdam.
+    "legacy_sgd": lambda: tf_keras.optimizers.legacy.SGD(0.1),
+    "legacy_sgd_momentum": lambda: tf_keras.optimizers.legacy.SGD(0.1, momentum=0.9),
+    "legacy_adam": lambda: tf_keras.optimizers.legacy.Adam(0.1),
 }
+
+
+def _build(opt, variables):
+    if hasattr(opt, "build"):
+        opt.build(variables)
+    else:  # a legacy optimizer: its slots, iteration count and hyperparameter variables
+        opt._create_all_weights(variables)
 
 
 def _train(w0, make, tape_cls, lr=None):
     w = tf.Variable(w0, dtype=tf.float64)
     opt = make()
-    opt.build([w])
+    _build(opt, [w])
     with tape_cls() as tape:
         if lr is not None:
             # tf_keras copies the learning rate into a variable of its own;
@@ -67,22 +81,19 @@ def test_keras2_learning_rate_hypergradient(name):
 
 
 LEGACY = {
-    "ResourceApplyGradientDescent": lambda: tf_keras.optimizers.legacy.SGD(0.1),
-    "ResourceApplyKerasMomentum": lambda: tf_keras.optimizers.legacy.SGD(0.1, momentum=0.9),
-    "ResourceApplyAdam": lambda: tf_keras.optimizers.legacy.Adam(0.1),
+    "ResourceApplyGradientDescent": "legacy_sgd",
+    "ResourceApplyKerasMomentum": "legacy_sgd_momentum",
+    "ResourceApplyAdam": "legacy_adam",
 }
 
 
 @pytest.mark.parametrize("op_name", sorted(LEGACY))
-def test_legacy_fused_optimizers_are_refused(op_name):
-    w = tf.Variable([1.0, 2.0], name="dense_kernel")
-    opt = LEGACY[op_name]()
-    with AssignAwareTape():
-        with tf.GradientTape() as inner:
-            loss = tf.reduce_sum(w * w)
-        grads = inner.gradient(loss, [w])
-        with pytest.raises(UntrackedWriteError) as info:
-            opt.apply_gradients(zip(grads, [w]))
-    message = str(info.value)
-    assert op_name in message and "dense_kernel" in message and "Keras 3 optimizer" in message
-    np.testing.assert_array_equal(w.numpy(), [1.0, 2.0])
+def test_legacy_optimizers_step_through_their_fused_kernels(op_name):
+    # The tests above differentiate what these kernels do: every step wrote the
+    # weights (and each slot) through the kernel named, as new versions.
+    tape, _, w = _train(W0, OPTIMIZERS[LEGACY[op_name]], AssignAwareTape)
+    written = {name: [r.op for r in records] for name, records in tape.history().variables.items()}
+    assert written.pop(w.name) == [None, op_name, op_name]
+    # The slots: none, the momentum, and Adam's m and v.
+    assert len(written) == {"ResourceApplyGradientDescent": 0, "ResourceApplyKerasMomentum": 1}.get(op_name, 2)
+    assert all(ops == [None, op_name, op_name] for ops in written.values()), written

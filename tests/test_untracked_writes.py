@@ -1,14 +1,21 @@
 """Writes the tape cannot differentiate are refused, or cut by option; never
-silently wrong. Writes it can (checkpoint restore, raw ops) are versions."""
+silently wrong. Writes it can (checkpoint restore, raw ops) are versions.
+
+The fused optimizer kernels are differentiated (``tests/test_fused_optimizers.py``);
+one left without a rule, as a kernel a future TensorFlow adds would be, is
+refused: the tests below take the rule of a few away (``without_rules``).
+"""
 
 from __future__ import annotations
 
+import gc
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from assigntape import AssignAwareTape, UntrackedWriteError
+from assigntape import _patches, _rules
 
 
 def _fused_sgd(v, g):
@@ -51,10 +58,35 @@ UNTRACKED = {
     "compat.v1 GradientDescentOptimizer": _compat_v1_optimizer,
     "ResourceSparseApplyAdagrad": _sparse_fused,
 }
+RULELESS = (
+    "ResourceApplyGradientDescent", "ResourceApplyAdam", "ResourceApplyKerasMomentum", "ResourceSparseApplyAdagrad",
+)
 
 
+def _rebuild_patches() -> None:
+    """Has the next tape build its op wrappers from the rules as they are now."""
+    gc.collect()  # closed tapes keep the patches installed until they are garbage
+    assert not _patches.installed(), "a tape of an earlier test is still alive"
+    _patches._groups.clear()
+
+
+@pytest.fixture
+def without_rules():
+    """These fused kernels as if they had no rule: refused, as any write op
+    without one (``_rules.refused``)."""
+    taken = {name: _rules.RULES.pop(name) for name in RULELESS}
+    try:
+        _rebuild_patches()
+        assert all(_rules.refused(name) for name in RULELESS)
+        yield
+    finally:
+        _rules.RULES.update(taken)
+        _rebuild_patches()
+
+
+@pytest.mark.usefixtures("without_rules")
 @pytest.mark.parametrize("name", sorted(UNTRACKED))
-def test_fused_kernel_write_is_refused_and_changes_nothing(name):
+def test_fused_kernel_without_a_rule_is_refused_and_changes_nothing(name):
     v = tf.Variable([1.0, 2.0], name="fused_target")
     with AssignAwareTape() as tape:
         loss = tf.reduce_sum(v * v)
@@ -72,7 +104,10 @@ def test_fused_kernel_write_is_refused_and_changes_nothing(name):
     np.testing.assert_array_equal(tape.gradient(loss, v), [2.0, 4.0])
 
 
-def test_fused_kernel_on_an_untracked_variable_is_plain_tensorflow():
+@pytest.mark.parametrize("rule", ["with_rule", "without_rule"])
+def test_fused_kernel_on_an_untracked_variable_is_plain_tensorflow(rule, request):
+    if rule == "without_rule":
+        request.getfixturevalue("without_rules")
     inside = tf.Variable([1.0, 2.0])
     outside = tf.Variable([1.0, 2.0])
     with AssignAwareTape() as tape:
@@ -85,6 +120,7 @@ def test_fused_kernel_on_an_untracked_variable_is_plain_tensorflow():
     assert tape.gradient(loss, inside) is not None
 
 
+@pytest.mark.usefixtures("without_rules")
 def test_cut_option_makes_a_version_with_no_gradient_path():
     v, a = tf.Variable([1.0, 2.0], name="cut_me"), tf.Variable(3.0)
     with AssignAwareTape(untracked_writes="cut") as tape:
@@ -99,6 +135,7 @@ def test_cut_option_makes_a_version_with_no_gradient_path():
     assert float(da) == 7.0  # only the read after the cut write
 
 
+@pytest.mark.usefixtures("without_rules")
 def test_cut_is_chosen_per_tape_and_raise_wins_when_nested():
     v = tf.Variable([1.0, 2.0])
     with AssignAwareTape():
