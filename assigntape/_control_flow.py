@@ -41,7 +41,7 @@ from tensorflow.python.ops import (
 )
 from tensorflow.python.util import nest, variable_utils
 
-from assigntape import _rules, _versions
+from assigntape import _fused, _rules, _versions
 from assigntape._wrapping import bind, params_of
 
 __all__ = ["branch_write", "cond", "build_cond", "while_loop"]
@@ -191,6 +191,43 @@ def branch_write(
         # variable watched, or a never-read variable's gradient is lost.
         resource_variable_ops.variable_accessed(var)
     _branch_version(branch, var, value, result)
+    return result
+
+
+def fused_branch_write(
+    op_name: str,
+    kernel: _fused.Kernel,
+    wrapped: Callable[..., Any],
+    arguments: Dict[str, Any],
+    branch: Any,
+    tracked: Dict[str, Any],
+    checks: List[Any],
+) -> Any:
+    """A fused optimizer kernel inside a ``tf.cond`` branch or loop body.
+
+    As ``branch_write`` does for one variable, for each variable the kernel
+    writes: the kernel runs, and beside it the functional form
+    (``_fused.new_values``, from the versions this branch sees) becomes each
+    tracked variable's new value in the branch.
+    """
+    dtype = next(iter(tracked.values())).dtype
+    old = {
+        name: branch.version_of(tracked[name]) if name in tracked else arguments[name]
+        for name in kernel.writes
+        if arguments.get(name) is not None
+    }
+    values = {name: gen_resource_variable_ops.read_variable_op(h, dtype) for name, h in old.items()}
+    new_values = _fused.new_values(kernel, values, arguments)
+    stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped() or not any(t._recording for t in branch.scope.tapes)
+    with ops.control_dependencies([v.op for v in values.values()] + checks):
+        result = wrapped(**arguments)
+    for var in tracked.values():
+        resource_variable_ops.variable_accessed(var)
+    for name in _fused.written(kernel, arguments):
+        var = tracked.get(name)
+        if var is not None:
+            value = array_ops.stop_gradient(new_values[name]) if stopped else new_values[name]
+            _branch_version(branch, var, value, result)
     return result
 
 

@@ -38,14 +38,18 @@ from tensorflow.python.eager import backprop, record
 from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
 from tensorflow.python.framework import dtypes, indexed_slices, ops
 from tensorflow.python.framework import tensor as tensor_lib
+from tensorflow.python.tpu.ops import tpu_ops
 from tensorflow.python.training import optimizer as v1_optimizer
 from tensorflow.python.ops import (
+    array_ops,
     cond_v2,
     gen_array_ops,
     gen_resource_variable_ops,
     gen_state_ops,
     gen_training_ops,
     resource_variable_ops,
+    standard_ops,
+    state_ops,
     while_v2,
 )
 
@@ -156,16 +160,7 @@ def _fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> 
         tracked = {name: var for name, (_, var) in found.items()}
         # Every handle the op is given is found in the scope of the graph being built.
         scope, first = next(iter(found.values()))
-        if _versions.check_writable_here(scope, first, op_name) is not None:
-            # A cond branch or loop body follows writes one variable at a time
-            # (_control_flow); a kernel writes several.
-            raise ControlFlowWriteError(
-                f"{op_name} to variable {first.name!r} inside a tf.cond branch or a graph loop "
-                "body of the tape's function: the tape differentiates fused optimizer kernels "
-                "only at the function's top level for now. Take the optimizer step outside the "
-                "cond or loop (a Python loop unrolls), or use a Keras 3 optimizer (or assign / "
-                "assign_sub), whose writes the tape follows in branches and loops."
-            )
+        branch = _versions.check_writable_here(scope, first, op_name)
         for name in kernel.inputs:
             # Numbers become tensors of the variable's dtype, once, for the kernel
             # and the form alike; a tensor of another dtype is left for the kernel
@@ -176,6 +171,8 @@ def _fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> 
         if kernel.sparse:
             arguments["indices"] = ops.convert_to_tensor(arguments["indices"])
             checks = _fused.no_duplicates(arguments["indices"], first.name, op_name)
+        if branch is not None:
+            return _control_flow.fused_branch_write(op_name, kernel, wrapped, arguments, branch, tracked, checks)
         # The previous versions: a tracked variable's current one (whichever of
         # its handles the op was given, it writes the same resource), else the
         # handle given (a variable the tape does not know: no version for it).
@@ -282,6 +279,10 @@ def _module_of(op_name: str) -> Any:
     return sys.modules[getattr(tf.raw_ops, op_name).__module__]
 
 
+# TensorFlow modules that re-export generated op wrappers (``from gen_x import *``).
+_ALIAS_MODULES = (resource_variable_ops, state_ops, array_ops, standard_ops, tpu_ops)
+
+
 def _patch_targets() -> List[Tuple[List[Tuple[Any, str]], Any, Callable[..., Any]]]:
     """Each op: where its wrapper is found, the original, and our wrapper."""
     # tf.raw_ops and tf.compat.v2.raw_ops (a separate module holding the same
@@ -308,6 +309,11 @@ def _patch_targets() -> List[Tuple[List[Tuple[Any, str]], Any, Callable[..., Any
         # tf.raw_ops also holds) are separate functions with the same code.
         places = [(module, snake)]
         places += [(m, op_name) for m in [module, *raw_modules] if op_name in vars(m)]
+        # Modules that star-import the generated ones hold the same snake-case
+        # function under their own name, and TensorFlow calls some writes
+        # through them (tf.compat.v1 Adam's sparse step:
+        # resource_variable_ops.resource_scatter_add): wrap those too.
+        places += [(m, snake) for m in _ALIAS_MODULES if vars(m).get(snake) is original]
         targets.append((places, original, wrapper))
     return targets
 

@@ -8,14 +8,12 @@ refused: the tests below take the rule of a few away (``without_rules``).
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from assigntape import AssignAwareTape, UntrackedWriteError
-from assigntape import _patches, _rules
+from helpers.rules import rules_removed
 
 
 def _fused_sgd(v, g):
@@ -63,25 +61,12 @@ RULELESS = (
 )
 
 
-def _rebuild_patches() -> None:
-    """Has the next tape build its op wrappers from the rules as they are now."""
-    gc.collect()  # closed tapes keep the patches installed until they are garbage
-    assert not _patches.installed(), "a tape of an earlier test is still alive"
-    _patches._groups.clear()
-
-
 @pytest.fixture
 def without_rules():
     """These fused kernels as if they had no rule: refused, as any write op
     without one (``_rules.refused``)."""
-    taken = {name: _rules.RULES.pop(name) for name in RULELESS}
-    try:
-        _rebuild_patches()
-        assert all(_rules.refused(name) for name in RULELESS)
+    with rules_removed(*RULELESS):
         yield
-    finally:
-        _rules.RULES.update(taken)
-        _rebuild_patches()
 
 
 @pytest.mark.usefixtures("without_rules")
