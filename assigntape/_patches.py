@@ -54,7 +54,7 @@ from tensorflow.python.ops import (
 )
 
 from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _plain_tapes, _rules, _versions
-from assigntape._errors import ControlFlowWriteError, UntrackedWriteError
+from assigntape._errors import UntrackedWriteError
 from assigntape._wrapping import Wrapper, bind
 
 __all__ = ["acquire", "release", "installed"]

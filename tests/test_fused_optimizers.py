@@ -31,7 +31,7 @@ from tensorflow.core.framework import op_def_pb2, types_pb2
 from tensorflow.python.client import pywrap_tf_session
 from tensorflow.python.ops import resource_variable_ops, state_ops
 
-from assigntape import AssignAwareTape, ControlFlowWriteError, DuplicateIndicesError, UntrackedWriteError
+from assigntape import AssignAwareTape, DuplicateIndicesError, UntrackedWriteError
 from assigntape import _fused, _patches, _rules
 
 F64, C128 = tf.float64, tf.complex128
