@@ -131,8 +131,8 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     """
     found = _versions.call_context()
     if found is None:
-        if _versions.closed_tapes:
-            _note_closed_writes(instance, args, kwargs)
+        if _versions.closed_tapes or _versions.any_scopes():
+            _outside_writes(instance, args, kwargs)
         return wrapped(*args, **kwargs)
     scope, branch = found
     arguments = bind(("tensor_inputs", "captured_inputs"), args, kwargs)
@@ -179,14 +179,18 @@ def _refuse(scope: Any, var: Any, name: str, op_type: str) -> None:
     )
 
 
-def _note_closed_writes(instance: Any, args: Any, kwargs: Any) -> None:
-    """No tape open here, but a closed tape may be re-entered: tell it which of
-    its variables this function writes."""
+def _outside_writes(instance: Any, args: Any, kwargs: Any) -> None:
+    """No tape open in this thread's context. A tape open in another thread
+    must not see its variables written behind its back (refused, as any
+    write from another thread is); a closed tape may be re-entered, so tell it
+    which of its variables this function writes."""
     written = _written_inputs(instance)
     if not written:
         return
     arguments = bind(("tensor_inputs", "captured_inputs"), args, kwargs)
     handles = list(arguments["tensor_inputs"]) + list(arguments["captured_inputs"])
-    for i in written:
-        if i < len(handles):
-            _versions.note_write_while_closed(handles[i])
+    found = [(handles[i], op_type) for i, op_type in sorted(written.items()) if i < len(handles)]
+    for handle, op_type in found:
+        _versions.refuse_other_thread(handle, None, f"{op_type} in tf.function {_name(instance)!r}")
+    for handle, _ in found:
+        _versions.note_write_while_closed(handle)

@@ -76,31 +76,17 @@ def _snake(op_name: str, module: Any) -> str:
     raise LookupError(op_name)
 
 
-def _other_thread(handle: Any, var: Any, op_name: str) -> None:
-    """Refuses a write to a variable that a tape open in another thread has
-    read or written: that tape would read the value written here while it
-    credits its own version."""
-    found = _versions.tracked_in_other_thread(handle, var)
-    if found is not None and _versions.differentiable(found):
-        raise UntrackedWriteError(
-            f"{op_name} to variable {found.name!r} from thread {threading.current_thread().name!r}, "
-            "while an AssignAwareTape open in another thread has read or written it: that "
-            "tape would read the value written here and credit its own version, a silently "
-            "wrong gradient. Write the variable from the tape's thread, or after its tape closes."
-        )
-
-
 def _tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         arguments = bind(params, args, kwargs)
         handle = arguments.get(rule.resource_arg)
         found = _versions.owner(handle)
         if found is None or not _versions.differentiable(found[1]):
-            _other_thread(handle, None, op_name)
+            _versions.refuse_other_thread(handle, None, op_name)
             _versions.note_write_while_closed(handle)
             return wrapped(*args, **kwargs)
         scope, var = found
-        _other_thread(handle, var, op_name)
+        _versions.refuse_other_thread(handle, var, op_name)
         branch = _versions.check_writable_here(scope, var, op_name)
         for name in rule.value_args:
             arguments[name] = ops.convert_to_tensor(arguments[name], dtype=var.dtype)
@@ -151,7 +137,7 @@ def _fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> 
         owners = {name: _versions.owner(handle) for name, handle in handles.items()}
         for name, handle in handles.items():
             owner = owners[name]
-            _other_thread(handle, None if owner is None else owner[1], op_name)
+            _versions.refuse_other_thread(handle, None if owner is None else owner[1], op_name)
         found = {name: f for name, f in owners.items() if f is not None and _versions.differentiable(f[1])}
         if not found:
             for handle in handles.values():
@@ -238,7 +224,7 @@ def _untracked_write(op_name: str, params: Sequence[str]) -> Callable[..., Any]:
         hits = [h for h in map(_versions.owner, handles) if h is not None]
         hits = [(scope, var) for scope, var in hits if _versions.differentiable(var)]
         for h in handles:
-            _other_thread(h, None, op_name)
+            _versions.refuse_other_thread(h, None, op_name)
         if not hits:
             for h in handles:
                 _versions.note_write_while_closed(h)

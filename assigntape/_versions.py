@@ -166,6 +166,11 @@ def close_scope(scope: Scope, tape: "AssignAwareTape") -> None:
             _all_scopes.remove(scope)
 
 
+def any_scopes() -> bool:
+    """Whether a tape is open in any thread."""
+    return bool(_all_scopes)
+
+
 def _other_threads() -> List[Scope]:
     me = threading.get_ident()
     with _all_lock:
@@ -197,6 +202,22 @@ def tracked_in_other_thread(handle: Any, var: Optional[Any]) -> Optional[Any]:
         if found is not None:
             return found
     return None
+
+
+def refuse_other_thread(handle: Any, var: Optional[Any], op_name: str) -> None:
+    """Refuses a write to a variable that a tape open in another thread has
+    read or written: that tape would read the value written here while it
+    credits its own version."""
+    found = tracked_in_other_thread(handle, var)
+    if found is not None and differentiable(found):
+        from assigntape._errors import UntrackedWriteError
+
+        raise UntrackedWriteError(
+            f"{op_name} to variable {found.name!r} from thread {threading.current_thread().name!r}, "
+            "while an AssignAwareTape open in another thread has read or written it: that "
+            "tape would read the value written here and credit its own version, a silently "
+            "wrong gradient. Write the variable from the tape's thread, or after its tape closes."
+        )
 
 
 def refuse_or_cut(scopes: List[Scope], var: Any, what: str, message: str) -> None:

@@ -227,16 +227,20 @@ def _in_thread(fn):
     return outcome
 
 
-@pytest.mark.parametrize("other_has_a_tape", [False, True], ids=["plain-thread", "thread-with-tape"])
-def test_a_write_from_another_thread_to_a_tracked_variable_is_refused(other_has_a_tape):
+@pytest.mark.parametrize("how", ["plain-thread", "thread-with-tape", "tf.function"])
+def test_a_write_from_another_thread_to_a_tracked_variable_is_refused(how):
     from assigntape import UntrackedWriteError
 
     v, x = tf.Variable(3.0, name="shared_w"), tf.Variable(2.0)
+    write_in_function = tf.function(lambda: v.assign(100.0))
+    write_in_function.get_concrete_function()  # traced before the tape: no tape sees the trace
 
     def other():
-        if other_has_a_tape:
+        if how == "thread-with-tape":
             with AssignAwareTape():
                 v.assign_add(1.0)
+        elif how == "tf.function":
+            write_in_function()
         else:
             v.assign(100.0)
 
