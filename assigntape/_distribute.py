@@ -23,16 +23,18 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
 
     It runs in cross-replica context (for MirroredStrategy, outside the replica
     threads), so a replica's tape cannot see it: reads after it would credit
-    the version from before. Refuse it when a replica's tape tracks the variable.
+    the version from before. Refuse it while a replica's tape is open.
     """
     var = args[0] if args else kwargs.get("var")
-    components = list(getattr(var, "values", None) or (var,))
-    if _versions.differentiable(var) and _versions.tracked_elsewhere(components):
+    # Refused whenever a tape is open in a replica, whether it has read the
+    # variable yet or not: one that reads it later would read the updated value
+    # and credit the version from before the update.
+    if _versions.differentiable(var) and _versions.open_elsewhere():
         aggregation = getattr(var, "aggregation", None)
         raise UntrackedWriteError(
             f"A cross-replica update of variable {var.name!r} (aggregation "
-            f"{getattr(aggregation, 'name', aggregation)}), which an AssignAwareTape in a "
-            "replica is tracking: it is applied outside the replica's sight (merge_call), "
+            f"{getattr(aggregation, 'name', aggregation)}), while an AssignAwareTape is open "
+            "in a replica: it is applied outside the replica's sight (merge_call), "
             "so reads after it would credit the version from before, a silently wrong "
             "gradient. Such updates come from writes in replica context to a "
             "MirroredVariable whose aggregation is not NONE, and from optimizer steps "

@@ -44,7 +44,7 @@ __all__ = [
     "version_in",
     "open_scope",
     "close_scope",
-    "tracked_elsewhere",
+    "open_elsewhere",
     "canonical_handle",
     "differentiable",
     "new_version",
@@ -52,7 +52,7 @@ __all__ = [
 
 _tls = threading.local()
 # Every open scope of every thread, for the one question asked across threads:
-# is a variable tracked by a tape in another thread (see ``tracked_elsewhere``)?
+# is a variable tracked by a tape in another thread (see ``tracked_in_other_thread``)?
 _all_scopes: List["Scope"] = []
 _all_lock = threading.Lock()
 
@@ -177,15 +177,14 @@ def _other_threads() -> List[Scope]:
         return [scope for scope in _all_scopes if scope.thread != me]
 
 
-def tracked_elsewhere(variables: Any) -> bool:
-    """Whether a tape open in another thread tracks any of ``variables``.
+def open_elsewhere() -> bool:
+    """Whether a tape is open in another thread.
 
     MirroredStrategy runs each replica in a thread of its own, and a
     cross-replica update (inside ``merge_call``) in yet another, where the
     replicas' versions are not visible.
     """
-    others = _other_threads() if _all_scopes else []
-    return any(scope.tracks(v) for scope in others for v in variables)
+    return bool(_all_scopes) and bool(_other_threads())
 
 
 def tracked_in_other_thread(handle: Any, var: Optional[Any]) -> Optional[Any]:

@@ -128,7 +128,7 @@ def test_mirrored_variable_kinds_and_aggregations():
             _assert_replica_grads(out[case]["result"][mode]["grads"], expected, f"{case} {mode}")
     # The same step with its write in a tf.cond branch, compiled, per replica.
     _assert_replica_grads(out["cond_write_in_replica_context"]["result"], expected, "cond")
-    refused = [f"ON_WRITE/{a}" for a in ("SUM", "MEAN", "ONLY_FIRST_REPLICA")] + ["keras_optimizer_in_replica_context"]
+    refused = [f"ON_WRITE/{a}" for a in ("SUM", "MEAN", "ONLY_FIRST_REPLICA")] + ["keras_optimizer_in_replica_context", "unread_aggregated_write"]
     for case in refused:
         assert out[case].get("error") == "UntrackedWriteError", (case, out[case])
         assert "cross-replica update" in out[case]["message"] and "aggregation=NONE" in out[case]["message"]

@@ -47,6 +47,23 @@ def _keras_step(strategy):
     return "ran"
 
 
+def _unread_write(strategy):
+    """``assign_add`` of a MEAN-aggregated variable that the replica's tape has
+    not read yet, then a read of it."""
+    with strategy.scope():
+        v = tf.Variable(1.0, aggregation=tf.VariableAggregation.MEAN)
+        x = tf.Variable(2.0)
+
+    def step():
+        with AssignAwareTape() as tape:
+            v.assign_add(x * 3.0)
+            loss = v * 1.0
+        return tape.gradient(loss, x)
+
+    strategy.run(step)
+    return "ran"
+
+
 def _cond_step(strategy):
     """The step with its write inside an autograph ``if`` on a tensor, compiled."""
     with strategy.scope():
@@ -87,6 +104,7 @@ def main() -> None:
             )
             out[f"{sync}/{aggregation}"] = _outcome(lambda: run_step(strategy, **kwargs))
     out["keras_optimizer_in_replica_context"] = _outcome(lambda: _keras_step(strategy))
+    out["unread_aggregated_write"] = _outcome(lambda: _unread_write(strategy))
     out["cond_write_in_replica_context"] = _outcome(lambda: _cond_step(strategy))
     print(json.dumps(out))
 
