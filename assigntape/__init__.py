@@ -13,6 +13,7 @@ from assigntape._errors import (
 )
 from assigntape._diagnostics import Explanation, History, Reason
 from assigntape._tape import AssignAwareTape
+from assigntape._patches import uninstall
 
 __version__ = "0.1.0"
 
@@ -28,4 +29,5 @@ __all__ = [
     "NotAVariableError",
     "Reason",
     "UntrackedWriteError",
+    "uninstall",
 ]

@@ -1,7 +1,11 @@
-"""The patches: installed while at least one AssignAwareTape is open anywhere.
+"""The patches: installed when the first AssignAwareTape is entered, and left
+in place, dormant, until ``uninstall()``.
 
-Everything patched is put back, as the exact original objects, when the last
-tape in the process closes:
+Installing and removing them on every tape cost tens of microseconds per
+tape; left in place, each patched function first asks whether any tape is
+open (or closed but alive) and, if none is, calls the original straight
+away, so code outside every tape runs as plain TensorFlow. ``uninstall()``
+puts back the exact original objects:
 
 * ``BaseResourceVariable._handle`` gets a data descriptor that answers with the
   current version (see ``_versions``).
@@ -54,14 +58,14 @@ from tensorflow.python.ops import (
 )
 
 from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _plain_tapes, _rules, _versions
-from assigntape._errors import UntrackedWriteError
 from assigntape._wrapping import Wrapper, bind
 
-__all__ = ["acquire", "release", "installed"]
+__all__ = ["acquire", "release", "installed", "uninstall"]
 
 _ABSENT = object()
 _lock = threading.Lock()
-_users = 0
+_users = 0  # open tapes, and tapes that may still need the patches (leases)
+_installed = False
 _saved: List[Tuple[Any, str, Any]] = []
 
 _GEN_MODULES = (gen_resource_variable_ops, gen_state_ops, gen_array_ops, gen_training_ops)
@@ -275,8 +279,13 @@ def _patch_targets() -> List[Tuple[List[Tuple[Any, str]], Any, Callable[..., Any
     # functions, which tf_keras calls). Not tf.compat.v1.raw_ops: it is a
     # TFModuleWrapper with its own attribute cache and a ~20 us __setattr__.
     raw_modules = [tf.raw_ops]
-    if tf.compat.v2.raw_ops is not tf.raw_ops:
-        raw_modules.append(tf.compat.v2.raw_ops)
+    for other in (tf.compat.v2.raw_ops, tf.compat.v1.raw_ops):
+        # A TFModuleWrapper (tf.compat.v1.raw_ops) answers from its cache, or
+        # else from the module it wraps: patch both.
+        inner = getattr(other, "_tfmw_wrapped_module", None)
+        for m in (other, inner):
+            if m is not None and all(m is not known for known in raw_modules):
+                raw_modules.append(m)
     written = list(_rules.RULES) + _refused_with_wrappers()
     targets = []
     for op_name in written:
@@ -300,7 +309,7 @@ def _patch_targets() -> List[Tuple[List[Tuple[Any, str]], Any, Callable[..., Any
         # through them (tf.compat.v1 Adam's sparse step:
         # resource_variable_ops.resource_scatter_add): wrap those too.
         places += [(m, snake) for m in _ALIAS_MODULES if vars(m).get(snake) is original]
-        targets.append((places, original, wrapper))
+        targets.append((places, original, _dormant(wrapper)))
     return targets
 
 
@@ -322,6 +331,16 @@ class _Group:
         self.originals[name] = original
         self.wrappers[name] = Wrapper(original, wrapper)
         self.get = operator.itemgetter(*self.names)
+
+    def put(self, functions: Dict[str, Any]) -> None:
+        if hasattr(self.owner, "_fastdict_insert"):
+            # tf.compat.v1.raw_ops is a TFModuleWrapper, whose attribute lookup
+            # answers from a cache of its own before the instance dict: set
+            # through it (slow, but the patches are installed once).
+            for name, function in functions.items():
+                setattr(self.owner, name, function)
+        else:
+            vars(self.owner).update(functions)
 
     def unchanged(self) -> bool:
         current = self.get(vars(self.owner))
@@ -374,6 +393,8 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (backprop.GradientTape, "__enter__", _plain_tapes.enter),
         (backprop.GradientTape, "__exit__", _plain_tapes.exit),
         (backprop.GradientTape, "gradient", _plain_tapes.gradient),
+        (backprop.GradientTape, "jacobian", _plain_tapes.jacobian),
+        (backprop.GradientTape, "batch_jacobian", _plain_tapes.jacobian),
         # The slots of tf.compat.v1 optimizers, whose fused kernels are
         # differentiated (_fused), found again after a write in a tape's graph.
         (v1_optimizer, "_var_key", _v1_slot_key),
@@ -384,6 +405,24 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (while_v2, "while_loop", _control_flow.while_loop),
     ]
 
+
+def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, but the original straight away while no tape is open in
+    any thread and none is closed but alive: the patches stay installed between
+    tapes, and code outside every tape must run as plain TensorFlow."""
+    scopes, closed = _versions._all_scopes, _versions.closed_tapes
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+        if not scopes and not closed:
+            return wrapped(*args, **kwargs)
+        return function(wrapped, instance, args, kwargs)
+
+    return wrapper
+
+
+# Plain tapes are followed from their entry whether or not a tape of ours is
+# open then: one may open inside them (_plain_tapes).
+_ALWAYS_ON = (_plain_tapes.enter, _plain_tapes.exit, _plain_tapes.gradient, _plain_tapes.jacobian)
 
 # (id(owner), attribute) -> the Wrapper built for the original found there.
 _attribute_wrappers: Dict[Tuple[int, str], Any] = {}
@@ -400,16 +439,17 @@ def _install() -> None:
         original = vars(owner)[name]
         wrapper = _attribute_wrappers.get((id(owner), name))
         if wrapper is None or wrapper.__wrapped__ is not original:
-            wrapper = _attribute_wrappers[(id(owner), name)] = Wrapper(original, function)
+            active = function if function in _ALWAYS_ON else _dormant(function)
+            wrapper = _attribute_wrappers[(id(owner), name)] = Wrapper(original, active)
         _saved.append((owner, name, original))
         setattr(owner, name, wrapper)
     for group in _groups:
-        vars(group.owner).update(group.wrappers)
+        group.put(group.wrappers)
 
 
 def _uninstall() -> None:
     for group in _groups:
-        vars(group.owner).update(group.originals)
+        group.put(group.originals)
     while _saved:
         owner, name, original = _saved.pop()
         if original is _ABSENT:
@@ -419,25 +459,57 @@ def _uninstall() -> None:
 
 
 def acquire() -> None:
-    """One more open tape; the first installs the patches."""
-    global _users
+    """One more tape that needs the patches; the first installs them."""
+    global _users, _installed
     with _lock:
-        if _users == 0:
+        if not _installed:
             _install()
+            _installed = True
         _users += 1
 
 
 def release() -> None:
-    """One tape fewer; the last restores the original attributes."""
+    """One tape fewer. The patches stay (dormant) until ``uninstall``."""
     global _users
     with _lock:
         _users -= 1
-        if _users == 0:
+
+
+def uninstall() -> None:
+    """Removes every patch assigntape installed, putting back TensorFlow's own objects.
+
+    The first ``AssignAwareTape`` entered installs the patches; they stay,
+    dormant (each patched function calls TensorFlow's own at once while no
+    tape is open), so that later tapes cost nothing to open. Call this to
+    leave TensorFlow exactly as it was, for example before handing the
+    process to code that inspects TensorFlow's functions. The next tape
+    entered installs them again.
+
+    Raises:
+        RuntimeError: a tape still needs them: an open ``AssignAwareTape``, a
+            closed one that may be entered again or asked for gradients, or a
+            ``tf.GradientTape`` that ran beside one. Nothing is removed then.
+    """
+    global _installed
+    import gc
+
+    # Closed tapes waiting in reference cycles hold leases: let them go first.
+    gc.collect()
+    with _lock:
+        if _users:
+            raise RuntimeError(
+                f"assigntape.uninstall(): {_users} tape(s) still need the patches: an open "
+                "AssignAwareTape, a closed one that may be entered again or asked for "
+                "gradients, or a tf.GradientTape that ran beside one. Let them go (del, "
+                "or leave their scope), then call uninstall() again."
+            )
+        if _installed:
             _uninstall()
+            _installed = False
 
 
 def installed() -> bool:
-    return _users > 0
+    return _installed
 
 
 def patched_places() -> List[Tuple[Any, str]]:

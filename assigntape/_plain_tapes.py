@@ -10,32 +10,46 @@ is, ``v.handle`` is the latest version; after, the variable's own handle):
 * a variable target means the version current when it was exited (the latest
   one while it is still open).
 
-The plain tape keeps both snapshots on itself, and keeps the patches installed
+The plain tape keeps both snapshots on itself, and holds the patches
 (``lease``) until it is done, so that a gradient asked after the other tape
-closed still maps them.
+closed still maps them. A plain tape entered before any ``AssignAwareTape``
+and still open when one closes gets the versions current then as its latest
+(``note_closing``): it recorded the writes made meanwhile.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
+from tensorflow.python.ops import gen_resource_variable_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
 from assigntape import _versions
 
-__all__ = ["enter", "exit", "gradient", "lease"]
+__all__ = ["enter", "exit", "gradient", "jacobian", "lease", "note_closing"]
 
 _START = "_assigntape_start"
 _END = "_assigntape_end"
 _LEASE = "_assigntape_lease"
+_LATEST = "_assigntape_latest"
+
+# The plain tapes open in this thread (weak references), innermost last.
+_tls = threading.local()
+
+
+_aware: Any = None  # AssignAwareTape, imported on first use (it imports this module)
 
 
 def _is_plain(instance: Any) -> bool:
-    from assigntape._tape import AssignAwareTape
+    global _aware
+    if _aware is None:
+        from assigntape._tape import AssignAwareTape
 
-    return not isinstance(instance, AssignAwareTape)
+        _aware = AssignAwareTape
+    return not isinstance(instance, _aware)
 
 
 def _snapshot() -> Optional[Dict[str, Any]]:
@@ -54,14 +68,23 @@ def _snapshot() -> Optional[Dict[str, Any]]:
     return snapshot
 
 
+def _open_plain() -> List[Any]:
+    found = getattr(_tls, "open", None)
+    if found is None:
+        found = _tls.open = []
+    return found
+
+
 def enter(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``GradientTape.__enter__``: a plain tape notes the versions current now."""
     result = wrapped(*args, **kwargs)
-    if _is_plain(instance) and not hasattr(instance, _START):
-        snapshot = _snapshot()
-        if snapshot is not None:
-            setattr(instance, _START, snapshot)
-            lease(instance)
+    if _is_plain(instance):
+        _open_plain().append(weakref.ref(instance))
+        if not hasattr(instance, _START):
+            snapshot = _snapshot()
+            if snapshot is not None:
+                setattr(instance, _START, snapshot)
+                lease(instance)
     return result
 
 
@@ -69,11 +92,32 @@ def exit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
     """``GradientTape.__exit__``: a plain tape notes the versions current now."""
     result = wrapped(*args, **kwargs)
     if _is_plain(instance):
+        opened = _open_plain()
+        for i in range(len(opened) - 1, -1, -1):
+            if opened[i]() is instance:
+                del opened[i]
+                break
         snapshot = _snapshot()
         if snapshot is not None:
             setattr(instance, _END, snapshot)
             lease(instance)
     return result
+
+
+def note_closing() -> None:
+    """An ``AssignAwareTape`` is about to close: the plain tapes still open
+    here keep the versions current now as their latest."""
+    opened = getattr(_tls, "open", None)
+    if not opened:
+        return
+    snapshot = _snapshot()
+    if snapshot is None:
+        return
+    for ref in opened:
+        instance = ref()
+        if instance is not None:
+            setattr(instance, _LATEST, snapshot)
+            lease(instance)
 
 
 def lease(instance: Any) -> None:
@@ -99,6 +143,12 @@ def _map(x: Any, versions: Optional[Dict[str, Any]], open_now: bool) -> Any:
     return _versions.canonical_handle(var) if handle is None else handle
 
 
+def _end(instance: Any) -> Optional[Dict[str, Any]]:
+    """The versions a variable target means, once no tape of ours is open."""
+    end = getattr(instance, _END, None)
+    return getattr(instance, _LATEST, None) if end is None else end
+
+
 def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``GradientTape.gradient`` of a plain tape: variables named as above."""
     if not _is_plain(instance):
@@ -107,7 +157,7 @@ def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any)
 
     arguments = bind(("target", "sources", "output_gradients", "unconnected_gradients"), args, kwargs)
     open_now = bool(getattr(instance, "_recording", False))
-    start, end = getattr(instance, _START, None), getattr(instance, _END, None)
+    start, end = getattr(instance, _START, None), _end(instance)
     sources = arguments["sources"]
     flat = nest.flatten(sources)
     mapped = [_map(s, start, False) for s in flat]
@@ -122,3 +172,22 @@ def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any)
     if zero:
         grads = [_versions.zeros_like_source(s, m) if g is None else g for g, s, m in zip(grads, flat, mapped)]
     return nest.pack_sequence_as(sources, grads)
+
+
+def jacobian(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``GradientTape.jacobian`` / ``batch_jacobian`` of a plain tape: a
+    variable target means its version named as above. TensorFlow's jacobians
+    reshape the target, which would read the variable's own handle: read the
+    version here, on the tape."""
+    from assigntape._tape import _as_tf_variable
+
+    target = args[0] if args else kwargs.get("target")
+    var = _as_tf_variable(target) if _is_plain(instance) else None
+    if var is None:
+        return wrapped(*args, **kwargs)
+    handle = _map(var, _end(instance), bool(getattr(instance, "_recording", False)))
+    with instance._ensure_recording():
+        value = gen_resource_variable_ops.read_variable_op(handle, var.dtype)
+    if args:
+        return wrapped(value, *args[1:], **kwargs)
+    return wrapped(**{**kwargs, "target": value})

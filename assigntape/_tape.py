@@ -11,7 +11,7 @@ from tensorflow.python.ops import array_ops, gen_resource_variable_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
-from assigntape import _diagnostics, _patches, _versions
+from assigntape import _diagnostics, _patches, _plain_tapes, _versions
 from assigntape._errors import ControlFlowWriteError, NotAVariableError
 
 __all__ = ["AssignAwareTape"]
@@ -140,6 +140,7 @@ class AssignAwareTape(tf.GradientTape):
             super().__exit__(typ, value, traceback)
         finally:
             if self._scope is not None:
+                _plain_tapes.note_closing()
                 _versions.close_scope(self._scope, self)
                 self._scope = None
                 if self._tape is not None:

@@ -14,13 +14,20 @@ import wrapt
 __all__ = ["Wrapper", "bind", "params_of"]
 
 
+class _BoundWrapper(wrapt.BoundFunctionWrapper):
+    autograph_info__: Dict[str, Any] = {}
+
+
 class Wrapper(wrapt.FunctionWrapper):
     # AutoGraph warns about every wrapt-wrapped callee it meets while converting
-    # a tf.function (user code calling tf.raw_ops directly), unless the callee
-    # looks like one of its own artifacts. A class attribute answers that lookup
-    # before the proxy would forward it to TensorFlow's function, which stays
-    # untouched. (AutoGraph calls TensorFlow's ops unconverted either way.)
+    # a tf.function (user code calling tf.raw_ops directly, or a patched method
+    # such as GradientTape.gradient), unless the callee looks like one of its
+    # own artifacts. A class attribute answers that lookup before the proxy
+    # would forward it to TensorFlow's function, which stays untouched; methods
+    # are bound through a class that answers it too. (AutoGraph calls
+    # TensorFlow's own functions unconverted either way.)
     autograph_info__: Dict[str, Any] = {}
+    __bound_function_wrapper__ = _BoundWrapper
 
 
 def params_of(function: Callable[..., Any]) -> List[str]:

@@ -176,3 +176,38 @@ def test_batch_jacobian_across_writes(mode):
         h1 = x0 @ w
         y = tf.sin(h1) * h1
     assert_grads_close(run(mode, body), oracle.batch_jacobian(y, x0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("ask", ["inside", "after"])
+def test_plain_tape_open_around_a_closed_aware_tape_names_the_latest_version(ask):
+    # The plain tape is entered before the AssignAwareTape opens and is still
+    # open when it closes; its gradient is asked while it is open or after.
+    # (A tape entered before; the patches were installed by an earlier tape.)
+    with AssignAwareTape():
+        pass
+    x, c = tf.Variable([1.0, 2.0]), tf.Variable([0.0, 0.0])
+    with tf.GradientTape(persistent=True) as plain:
+        with AssignAwareTape():
+            c.assign(x * x * 3.0)
+        if ask == "inside":
+            grad, jac = plain.gradient(c, x), plain.jacobian(c, x)
+    if ask == "after":
+        grad, jac = plain.gradient(c, x), plain.jacobian(c, x)
+    np.testing.assert_allclose(grad.numpy(), [6.0, 12.0])  # d(sum 3x^2)/dx
+    np.testing.assert_allclose(jac.numpy(), np.diag([6.0, 12.0]))
+
+
+@modes
+def test_plain_tape_jacobian_with_a_variable_target_after_the_aware_tape_closed(mode):
+    x, c = tf.Variable([[1.0, 2.0], [3.0, 4.0]]), tf.Variable(tf.zeros((2, 2)))
+
+    def program():
+        with AssignAwareTape():
+            with tf.GradientTape(persistent=True) as plain:
+                c.assign(x * x)
+        return plain.jacobian(c, x), plain.batch_jacobian(c, x)
+
+    jac, batch = run(mode, program)
+    expected = np.diag([2.0, 4.0, 6.0, 8.0]).reshape(2, 2, 2, 2)
+    np.testing.assert_allclose(jac.numpy(), expected)
+    np.testing.assert_allclose(batch.numpy(), [[[2.0, 0.0], [0.0, 4.0]], [[6.0, 0.0], [0.0, 8.0]]])

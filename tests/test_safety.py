@@ -40,8 +40,11 @@ def _snapshot():
     return {(cls, name): cls.__dict__.get(name, "<absent>") for cls, name in PATCHED}
 
 
-def test_patches_exist_only_while_a_tape_is_open():
+def test_patches_stay_dormant_between_tapes_until_uninstall():
+    import assigntape
+
     gc.collect()  # a closed tape of an earlier test may wait in a reference cycle
+    assigntape.uninstall()
     before = _snapshot()
     assert before[(rvo.BaseResourceVariable, "_handle")] == "<absent>"
     with AssignAwareTape():
@@ -49,12 +52,59 @@ def test_patches_exist_only_while_a_tape_is_open():
         with AssignAwareTape():
             assert _snapshot() == during  # nesting does not patch twice
         assert _snapshot() == during  # the inner exit does not unpatch
-    after = _snapshot()
+    assert _snapshot() == during  # installed once, left in place
+    with AssignAwareTape():
+        assert _snapshot() == during  # the next tape finds them in place
     for key in before:
         assert during[key] is not before[key], key
+    assigntape.uninstall()
+    after = _snapshot()
+    for key in before:
         assert after[key] is before[key], key  # the exact original objects
         # ...and unmarked: the AutoGraph marker is taken off again.
         assert not hasattr(after[key], "autograph_info__"), key
+
+
+def test_uninstall_refuses_while_a_tape_needs_the_patches_and_removes_nothing():
+    import assigntape
+
+    v, a = tf.Variable(1.0), tf.Variable(2.0)
+    with AssignAwareTape() as tape:
+        during = _snapshot()
+        with pytest.raises(RuntimeError, match="still need the patches"):
+            assigntape.uninstall()
+        assert _snapshot() == during
+        v.assign(a * 3.0)
+    # Closed, but its gradient is still to come: the write must stay mapped.
+    with pytest.raises(RuntimeError, match="still need the patches"):
+        assigntape.uninstall()
+    assert float(tape.gradient(v, a)) == 3.0  # v as a target: its latest version
+    del tape
+    assigntape.uninstall()
+    assert _snapshot()[(rvo.BaseResourceVariable, "_handle")] == "<absent>"
+    # And a tape after it installs them again.
+    with AssignAwareTape() as tape:
+        v.assign(a * 5.0)
+        y = v * 1.0
+    assert float(tape.gradient(y, a)) == 5.0
+
+
+def test_code_outside_every_tape_runs_as_plain_tensorflow_while_installed():
+    with AssignAwareTape():
+        pass
+    assert _patches.installed()
+    v, a = tf.Variable(1.0), tf.Variable(2.0)
+    own = v.__dict__["_handle"]
+    assert v.handle is own
+    with tf.GradientTape() as plain:
+        v.assign(a * 3.0)  # plain TensorFlow: no gradient through the write
+        y = v * 1.0
+    assert plain.gradient(y, a) is None and v.handle is own
+    with pytest.raises(ValueError, match="Shape mismatch"):
+        v.assign([1.0, 2.0])  # TensorFlow's own error
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        tf.raw_ops.AssignVariableOp(resource=v.handle, value=tf.constant(1, tf.int32))
+    assert float(v) == 6.0
 
 
 def test_patches_are_restored_when_the_body_raises():
@@ -209,7 +259,8 @@ def test_ten_thousand_tapes_leave_nothing_behind():
     growth = _rss_bytes() - rss
     assert growth < 32 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB"
     assert not getattr(_versions._tls, "scopes", None)
-    assert "_handle" not in rvo.BaseResourceVariable.__dict__
+    gc.collect()
+    assert not _patches._users and not _versions.closed_tapes  # no tape holds on
 
 
 def _in_thread(fn):
@@ -260,3 +311,22 @@ def test_a_thread_may_write_a_variable_another_threads_tape_never_saw():
         outcome = _in_thread(lambda: other_var.assign(5.0))
     assert "error" not in outcome and float(other_var) == 5.0
     assert float(tape.gradient(y, v)) == 2.0
+
+
+def test_autograph_does_not_warn_about_the_dormant_patches(caplog):
+    with AssignAwareTape():
+        pass
+    assert _patches.installed()
+    x = tf.Variable([1.0, 2.0])
+
+    @tf.function
+    def f():
+        with tf.GradientTape(persistent=True) as tape:
+            y = x * x
+            tf.raw_ops.AssignAddVariableOp(resource=x.handle, value=tf.constant([0.0, 0.0]))
+        return tape.gradient(y, x), tape.jacobian(y, x), tape.batch_jacobian(y[None], x[None])
+
+    with caplog.at_level("WARNING", logger="tensorflow"):
+        grad, _, _ = f()
+    assert not [r for r in caplog.records if "wrapt" in r.getMessage()]
+    np.testing.assert_allclose(grad.numpy(), [2.0, 4.0])

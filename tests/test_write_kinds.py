@@ -144,3 +144,20 @@ def test_other_differentiable_dtypes(mode, dtype):
         loss = tf.reduce_sum(v1 * v1)
     rtol = 1e-3 if dtype == tf.float16 else 1e-6
     assert_grads_close(run(mode, body), oracle.gradient(loss, [v0, a0]), rtol=rtol)
+
+
+@modes
+@pytest.mark.parametrize("module", ["raw_ops", "compat.v1.raw_ops", "compat.v2.raw_ops"])
+def test_raw_op_writes_through_every_raw_ops_module(mode, module):
+    ops_module = {"raw_ops": tf.raw_ops, "compat.v1.raw_ops": tf.compat.v1.raw_ops,
+                  "compat.v2.raw_ops": tf.compat.v2.raw_ops}[module]
+    x, c = tf.Variable(2.0), tf.Variable(0.0)
+
+    def program():
+        with AssignAwareTape() as tape:
+            ops_module.AssignVariableOp(resource=c.handle, value=x * 3.0)
+            ops_module.AssignAddVariableOp(resource=c.handle, value=x * x)
+            y = c * 1.0
+        return tape.gradient(y, x)
+
+    assert float(run(mode, program)) == 3.0 + 2 * 2.0

@@ -4,17 +4,14 @@ future TensorFlow adds without a rule would be."""
 from __future__ import annotations
 
 import contextlib
-import gc
 from typing import Iterator
 
-from assigntape import _patches, _rules
+from assigntape import _patches, _rules, uninstall
 
 
 def _rebuild_patches() -> None:
     """Has the next tape build its op wrappers from the rules as they are now."""
-    if _patches.installed():
-        gc.collect()  # closed tapes keep the patches installed until they are garbage
-    assert not _patches.installed(), "a tape of an earlier test is still alive"
+    uninstall()  # raises if a tape of an earlier test is still alive
     _patches._groups.clear()
 
 
