@@ -41,10 +41,10 @@ class AssignAwareTape(tf.GradientTape):
       watch_accessed_variables: As for ``tf.GradientTape``: watch trainable
         variables when they are read.
       untracked_writes: What to do when a variable the tape tracks is written
-        by an op it cannot differentiate (the fused ``ResourceApply*`` optimizer
-        kernels of legacy Keras 2): ``"raise"`` (the default) raises
-        ``UntrackedWriteError``; ``"cut"`` warns and makes the write a new
-        version with no gradient path.
+        where the tape cannot differentiate the write (a ``tf.function``
+        called from an eager tape, an op without a gradient rule):
+        ``"raise"`` (the default) raises ``UntrackedWriteError``; ``"cut"``
+        warns and makes the write a new version with no gradient path.
 
     Example:
 
