@@ -87,6 +87,8 @@ def _tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Ca
         found = _versions.owner(handle)
         if found is None or not _versions.differentiable(found[1]):
             _versions.refuse_other_thread(handle, None, op_name)
+            if found is None:
+                _versions.unknown_variable_write(handle, op_name)
             _versions.note_write_while_closed(handle)
             return wrapped(*args, **kwargs)
         scope, var = found
@@ -144,7 +146,9 @@ def _fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> 
             _versions.refuse_other_thread(handle, None if owner is None else owner[1], op_name)
         found = {name: f for name, f in owners.items() if f is not None and _versions.differentiable(f[1])}
         if not found:
-            for handle in handles.values():
+            for name, handle in handles.items():
+                if owners[name] is None:
+                    _versions.unknown_variable_write(handle, op_name)
                 _versions.note_write_while_closed(handle)
             return wrapped(*args, **kwargs)
         tracked = {name: var for name, (_, var) in found.items()}

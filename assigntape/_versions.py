@@ -22,9 +22,10 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, record
-from tensorflow.python.framework import ops, tensor as tensor_lib
-from tensorflow.python.ops import array_ops
+from tensorflow.python.framework import dtypes, ops, tensor as tensor_lib
+from tensorflow.python.ops import array_ops, gen_resource_variable_ops, resource_variable_ops
 from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable as _BASE_VARIABLE
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph as _CONTROL_FLOW_GRAPH
 
@@ -341,8 +342,15 @@ def _enclosing_scope(scopes: Dict[Any, Scope]) -> Optional[Scope]:
     return None
 
 
+# Every variable created while the patches are installed, by id of its own
+# (eager) handle: a write through a handle fetched before a tape opened names
+# its variable through this (``owner``).
+_by_handle: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
 def owner(tensor: Any) -> Optional[Tuple[Scope, Any]]:
-    """The scope and variable whose handle ``tensor`` is, if a tape tracks it."""
+    """The scope and variable whose handle ``tensor`` is, if a tape tracks it
+    (or, eagerly, if it is a variable's own handle: the tape tracks it from now)."""
     scopes = getattr(_tls, "scopes", None)
     if not scopes or not isinstance(tensor, tensor_lib.Tensor):
         return None
@@ -350,7 +358,53 @@ def owner(tensor: Any) -> Optional[Tuple[Scope, Any]]:
     if scope is None:
         return None
     var = scope.owners.get(id(tensor))
+    if var is None and isinstance(tensor, ops.EagerTensor):
+        # (In a tape's graph too: the op is given the eager handle, captured after.)
+        var = _by_handle.get(id(tensor))
+        if var is None or var.__dict__.get("_handle") is not tensor:
+            return None
+        # A handle fetched before the tape opened (or by code that keeps
+        # handles): the variable's own, so the version the tape starts from.
+        if var._unique_id not in scope.current:
+            scope.owners[id(tensor)] = var
+            scope.seen.add(var._unique_id)
+            scope.canonical[id(tensor)] = var
+        else:
+            # Already written in this tape: the handle names its current version.
+            scope.canonical[id(tensor)] = var
     return None if var is None else (scope, var)
+
+
+def unknown_variable_write(tensor: Any, op_name: str) -> None:
+    """Refuses, inside a recording tape, a write through an eager handle no
+    tape can name (a variable created before any tape, its handle fetched
+    before this one opened) to an initialized floating-point variable: the
+    tape would read the written value and credit the version from before.
+    A variable's first write (its initialization) passes."""
+    scopes = getattr(_tls, "scopes", None)
+    if not scopes or _enclosing_scope(scopes) is None or not isinstance(tensor, ops.EagerTensor):
+        return
+    if tensor.dtype != dtypes.resource or pywrap_tfe.TFE_Py_TapeSetIsStopped():
+        return
+    data = resource_variable_ops.get_eager_safe_handle_data(tensor)
+    if not data.is_set or not data.shape_and_type:
+        return
+    dtype = dtypes.as_dtype(data.shape_and_type[0].dtype)
+    if not (dtype.is_floating or dtype.is_complex):
+        return
+    with ops.init_scope():  # the handle is eager, even while a graph is built
+        if not gen_resource_variable_ops.var_is_initialized_op(tensor):
+            return
+    from assigntape._errors import UntrackedWriteError
+
+    raise UntrackedWriteError(
+        f"{op_name} through a resource handle of a {dtype.name} variable that no open "
+        "AssignAwareTape can name: the variable was created before assigntape's first "
+        "tape, and its handle fetched before this tape opened. Reads after the write "
+        "would credit the version from before, a silently wrong gradient. Fetch the "
+        "handle inside the tape (v.handle), or write with v.assign / assign_add / "
+        "assign_sub."
+    )
 
 
 def call_context() -> Optional[Tuple[Scope, Optional["Branch"]]]:
@@ -517,6 +571,8 @@ class HandleDescriptor:
 
     def __set__(self, inst: Any, value: Any) -> None:
         inst.__dict__["_handle"] = value
+        if isinstance(value, ops.EagerTensor):
+            _by_handle[id(value)] = inst
 
     def __delete__(self, inst: Any) -> None:
         del inst.__dict__["_handle"]

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from assigntape import AssignAwareTape, UntrackedWriteError
+from assigntape import AssignAwareTape, UntrackedWriteError, uninstall
 from helpers.rules import rules_removed
+from oracle import modes, run
 
 
 def _fused_sgd(v, g):
@@ -149,3 +150,50 @@ def test_checkpoint_restore_is_a_version_with_no_gradient(tmp_path):
     assert float(tape.gradient(early, a)) == 3.0
     assert float(tape.gradient(late, a)) == 3.0  # d/da of (1 + 2) a: no path into the restored value
     assert tape.gradient(late, v) is None
+
+
+def _write_through(kind, handle, x):
+    if kind == "assign":
+        tf.raw_ops.AssignVariableOp(resource=handle, value=x * 3.0)
+        tf.raw_ops.AssignAddVariableOp(resource=handle, value=x * x)
+    else:  # a fused kernel: c - 0.5 * (-2x) = c + x
+        tf.raw_ops.ResourceApplyGradientDescent(var=handle, alpha=tf.constant(0.5), delta=-2.0 * x)
+
+
+@modes
+@pytest.mark.parametrize("kind", ["assign", "fused"])
+def test_a_write_through_a_handle_fetched_before_the_tape_is_a_version(mode, kind):
+    with AssignAwareTape():
+        pass  # installed: the variables created from now on are known by their handles
+    x, c = tf.Variable(2.0), tf.Variable(1.5)
+    handle = c.handle  # fetched before the tape
+
+    def program():
+        with AssignAwareTape() as tape:
+            _write_through(kind, handle, x)
+            y = c * 1.0
+        return y, tape.gradient(y, [x, c])
+
+    y, (gx, gc) = run(mode, program)
+    if kind == "assign":  # y = 3x + x^2; c overwritten
+        assert float(y) == 10.0 and float(gx) == 3.0 + 2 * 2.0 and gc is None
+    else:  # y = c + x
+        assert float(y) == 3.5 and float(gx) == 1.0 and float(gc) == 1.0
+
+
+@modes
+@pytest.mark.parametrize("kind", ["assign", "fused"])
+def test_a_write_through_a_handle_no_tape_can_name_is_refused_and_changes_nothing(mode, kind):
+    uninstall()  # as in a process that never entered a tape: c is created unknown
+    x, c = tf.Variable(2.0), tf.Variable(1.5, name="made_before")
+    handle = c.handle
+
+    def program():
+        with AssignAwareTape() as tape:
+            _write_through(kind, handle, x)
+            y = c * 1.0
+        return tape.gradient(y, x)
+
+    with pytest.raises(UntrackedWriteError, match="fetched before this tape opened"):
+        run(mode, program)
+    assert float(c) == 1.5
