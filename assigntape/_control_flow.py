@@ -279,7 +279,7 @@ def _poison_duplicates(op_name: str, var: Any, arguments: Dict[str, Any], value:
     idx = array_ops.reshape(idx, [-1, idx.shape[-1]])
     repeated = _rules._repeated(var, idx)
     # One flag per written row, spread over the positions it writes.
-    rows = array_ops.gather_nd(value, idx)
+    rows = _rules.gather_rows(value, idx)
     flags = math_ops.cast(repeated, "float32")
     trailing = array_ops.ones_like(array_ops.shape(rows)[1:])
     flags = array_ops.reshape(flags, array_ops.concat([array_ops.shape(flags), trailing], 0))
@@ -342,7 +342,7 @@ def _leave(scope: Any, parent: Any, var: Any, value: Any, what: str) -> None:
         return
     old = scope.current_version(var)
     new = _versions.new_version(old, value)
-    record.record_operation(what, [new], [value], lambda g: [g])
+    record.record_operation(what, [new], [value], lambda g: [g], forward_function=lambda t: [t])
     scope.advance(var, old, new, _versions.WriteRecord(what))
 
 

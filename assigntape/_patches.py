@@ -101,6 +101,7 @@ def _tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Ca
         old = scope.current_version(var)
         write = rule.prepare(var, old, arguments)
         old_shape = None if var.shape.is_fully_defined() else _versions.dynamic_shape(old)
+        forward = _forward_value(rule, var, old, write, arguments)
         # The real write. If it raises (bad shape or dtype, duplicate indices),
         # nothing below runs: the tape and the variable stay as they were.
         if write.checks:
@@ -116,7 +117,11 @@ def _tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Ca
             # its gradient would be lost. (Watching after the write is enough:
             # what counts is that the old handle is watched when recording.)
             resource_variable_ops.variable_accessed(var)
-        record.record_operation(op_name, [new], write.inputs, write.backward)
+        record.record_operation_backprop_only(op_name, [new], write.inputs, write.backward)
+        if forward is not None:
+            # Forward accumulators: the new version's tangent is the functional
+            # value's, whose ops TensorFlow differentiates forward.
+            record.record_operation_forwardprop_only(op_name, [new], [forward], _identity_backward, None)
         recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
         scope.advance(var, old, new, _versions.WriteRecord(op_name, recorded=recorded, old_shape=old_shape))
         return result
@@ -199,12 +204,26 @@ def _fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> 
                 continue
             new = _versions.new_version(old[name], result)
             if recording:
-                record.record_operation(op_name, [new], [new_values[name]], _identity_backward)
+                record.record_operation(
+                    op_name, [new], [new_values[name]], _identity_backward, forward_function=lambda t: [t]
+                )
             write = _versions.WriteRecord(op_name, recorded=recording, old_shape=shapes.get(name))
             scope.advance(var, old[name], new, write)
         return result
 
     return wrapper
+
+
+def _forward_value(rule: _rules.Rule, var: Any, old: Any, write: _rules.Write, arguments: Dict[str, Any]) -> Any:
+    """The write's new value as plain ops on the previous version, when a
+    ``ForwardAccumulator`` has a tangent for an input of the write (else None):
+    computed before the write, which overwrites the previous value."""
+    if not write.inputs:
+        return None
+    _, tangents = pywrap_tfe.TFE_Py_PackJVPs([old, *write.inputs])
+    if not tangents:
+        return None
+    return rule.value(gen_resource_variable_ops.read_variable_op(old, var.dtype), arguments)
 
 
 def _identity_backward(g: Any) -> List[Any]:

@@ -41,7 +41,7 @@ from assigntape._errors import DuplicateIndicesError
 
 __all__ = [
     "Write", "Rule", "RULES", "COMBINES", "UNDIFFERENTIABLE_PREFIXES",
-    "REFUSED_WRITES", "NOT_VARIABLE_WRITES", "refused",
+    "REFUSED_WRITES", "NOT_VARIABLE_WRITES", "refused", "gather_rows",
 ]
 
 Args = Dict[str, Any]
@@ -168,6 +168,18 @@ def _linear(nd_indices: Any, var: Any) -> Any:
     return math_ops.reduce_sum(array_ops.reshape(nd_indices, [-1, depth]) * strides, axis=1)
 
 
+def gather_rows(x: Any, idx: Any) -> Any:
+    """``tf.gather_nd(x, idx)``, written with ``tf.gather``: TensorFlow's forward
+    mode fails on ``gather_nd`` (the jvp cannot take its ``IndexedSlices``
+    gradient), and rules must work under a ``ForwardAccumulator`` too."""
+    depth = idx.shape[-1]
+    shape = array_ops.shape(x)
+    flat = array_ops.reshape(x, array_ops.concat([[-1], shape[depth:]], 0))
+    rows = array_ops.gather(flat, _linear(idx, x))
+    outer = math_ops.cast(array_ops.shape(idx)[:-1], shape.dtype)
+    return array_ops.reshape(rows, array_ops.concat([outer, shape[depth:]], 0))
+
+
 def _repeated(var: Any, nd_indices: Any) -> Any:
     """For each index row: whether another row writes the same position. (Of
     ops XLA compiles: not UniqueWithCounts.)"""
@@ -242,7 +254,7 @@ def _recorded_rows(var: Any, old: Any, idx: Any) -> Any:
     # A partial write's previous version must be watched, as a read of it would be.
     resource_variable_ops.variable_accessed(var)
     with record.stop_recording():
-        rows = array_ops.gather_nd(gen_resource_variable_ops.read_variable_op(old, var.dtype), idx)
+        rows = gather_rows(gen_resource_variable_ops.read_variable_op(old, var.dtype), idx)
         shape = gen_resource_variable_ops.variable_shape(old, out_type=idx.dtype)
 
     def backward(g: Any) -> List[Any]:
@@ -264,7 +276,7 @@ def _scatter(combine: str, nd_form: bool) -> Rule:
 
     def value(old: Any, args: Args) -> Any:
         idx = _nd(args["indices"], nd_form)
-        rows = array_ops.gather_nd(old, idx)
+        rows = gather_rows(old, idx)
         u = _broadcast(args["updates"], rows)
         if additive:
             scatter = gen_array_ops.tensor_scatter_add if combine == "add" else gen_array_ops.tensor_scatter_sub
@@ -284,7 +296,7 @@ def _scatter(combine: str, nd_form: bool) -> Rule:
 
         def backward(g: Any) -> List[Any]:
             g = _dense(g)
-            g_rows = array_ops.gather_nd(g, idx)
+            g_rows = gather_rows(g, idx)
             if additive:
                 return [g, _unbroadcast(g_rows if combine == "add" else -g_rows, updates)]
             if vjp is None or rows is None:  # update: the written rows forget the old ones

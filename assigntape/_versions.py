@@ -284,7 +284,7 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
         from tensorflow.python.ops import resource_variable_ops
 
         resource_variable_ops.variable_accessed(var)
-        record.record_operation("Identity", [new], [own], lambda g: [g])
+        record.record_operation("Identity", [new], [own], lambda g: [g], forward_function=lambda t: [t])
     finally:
         for tape in reversed(paused):
             tape._push_tape()

@@ -1,0 +1,244 @@
+"""Forward mode through writes: a ``tf.autodiff.ForwardAccumulator`` around (or
+inside) an ``AssignAwareTape`` gives the jvp of the functional rewrite, eager
+and compiled, for every write kind; forward-over-reverse gives Hessian-vector
+products through writes; forward-mode hypergradients through a Keras optimizer
+equal the reverse-mode ones. No case may kill the process
+(``test_no_case_aborts_the_process`` runs them in a child process)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import pathlib
+from typing import Any, Callable
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from assigntape import AssignAwareTape
+from oracle import modes, run
+
+X0 = np.array([0.7, -1.3, 2.1])
+TANGENT = np.array([0.4, 1.1, -0.6])
+
+
+def _program(write: Callable[[str, Any], None], read: Callable[[str], Any], x: Any) -> Any:
+    """One program over ``c`` (scalar) and ``v`` (three entries), with every
+    write kind; ``write(name, fn)`` applies ``fn`` to the old value and writes."""
+    write("c", lambda old: old + tf.reduce_sum(x * x))  # assign_add
+    write("v", lambda old: tf.tensor_scatter_nd_update(old, [[0], [2]], tf.stack([x[1], x[0] * x[2]])))
+    write("v", lambda old: old * tf.stack([1.0, x[0], 1.0]))  # scatter_mul on row 1
+    write("v", lambda old: tf.concat([old[:1], old[1:] + tf.sin(x[1:])], 0))  # slice write
+    write("c", lambda old: old - read("v")[1] * x[2])  # assign_sub
+    write("v", lambda old: tf.tensor_scatter_nd_max(old, [[1]], tf.stack([x[0] * 5.0])))
+    return read("c") * read("c") + tf.reduce_sum(tf.tanh(read("v")))
+
+
+def _with_variables(c: tf.Variable, v: tf.Variable, x: Any) -> Any:
+    ops = {
+        "c": iter([lambda old: c.assign_add(tf.reduce_sum(x * x)), lambda old: c.assign_sub(v[1] * x[2])]),
+        "v": iter([
+            lambda old: v.scatter_update(tf.IndexedSlices(tf.stack([x[1], x[0] * x[2]]), [0, 2])),
+            lambda old: v.scatter_mul(tf.IndexedSlices(tf.stack([x[0]]), [1])),
+            lambda old: v[1:].assign(v[1:] + tf.sin(x[1:])),
+            lambda old: v.scatter_max(tf.IndexedSlices(tf.stack([x[0] * 5.0]), [1])),
+        ]),
+    }
+    variables = {"c": c, "v": v}
+    return _program(lambda name, fn: next(ops[name])(None), lambda name: variables[name] * 1.0, x)
+
+
+def _rewrite(x: Any) -> Any:
+    values = {"c": tf.constant(1.5, tf.float64), "v": tf.constant([0.5, -0.25, 1.0], tf.float64)}
+
+    def write(name: str, fn: Callable[[Any], Any]) -> None:
+        values[name] = fn(values[name])
+
+    return _program(write, lambda name: values[name], x)
+
+
+def _rewrite_jvp() -> float:
+    x = tf.constant(X0)
+    with tf.autodiff.ForwardAccumulator(x, tf.constant(TANGENT)) as acc:
+        y = _rewrite(x)
+    return float(acc.jvp(y))
+
+
+@modes
+@pytest.mark.parametrize("accumulator", ["outside", "inside"])
+def test_jvp_through_every_write_kind(mode, accumulator):
+    c, v = tf.Variable(1.5, dtype=tf.float64), tf.Variable([0.5, -0.25, 1.0], dtype=tf.float64)
+    x = tf.Variable(X0)
+
+    def program() -> Any:
+        c.assign(1.5)
+        v.assign([0.5, -0.25, 1.0])
+        if accumulator == "outside":
+            with tf.autodiff.ForwardAccumulator(x, tf.constant(TANGENT)) as acc:
+                with AssignAwareTape():
+                    y = _with_variables(c, v, x * 1.0)
+        else:
+            with AssignAwareTape():
+                with tf.autodiff.ForwardAccumulator(x, tf.constant(TANGENT)) as acc:
+                    y = _with_variables(c, v, x * 1.0)
+        return y, acc.jvp(y)
+
+    y, jvp = run(mode, program)
+    np.testing.assert_allclose(float(y), float(_rewrite(tf.constant(X0))), rtol=1e-12)
+    expected = _rewrite_jvp()
+    assert abs(expected) > 0.1
+    np.testing.assert_allclose(float(jvp), expected, rtol=1e-10)
+
+
+def test_graph_loops_under_a_forward_accumulator_fail_as_in_plain_tensorflow():
+    # TensorFlow's own forward mode cannot take a graph loop that reads a
+    # variable ("... a variable without handle data"), tape or no tape; the
+    # tape's loops carry variables' handles, so they fail the same way: with
+    # TensorFlow's error, not a wrong jvp or an abort (README, "Known limits").
+    c, x = tf.Variable(0.5, dtype=tf.float64), tf.Variable(1.2, dtype=tf.float64)
+
+    def program(tape: bool) -> Any:
+        with tf.autodiff.ForwardAccumulator(x, tf.constant(1.0, tf.float64)) as acc:
+            if tape:
+                with AssignAwareTape():
+                    for _ in tf.range(2):
+                        c.assign(c * x + x * x)
+                    y = c * c
+            else:
+                s = tf.constant(0.5, tf.float64)
+                for _ in tf.range(2):
+                    s = s * x + c
+                y = s * s
+        return acc.jvp(y)
+
+    for tape in (False, True):
+        with pytest.raises(ValueError, match="without handle data"):
+            tf.function(program)(tape)
+
+
+def test_jvp_through_writes_in_a_cond_branch():
+    c = tf.Variable(0.5, dtype=tf.float64)
+    x = tf.Variable(1.2, dtype=tf.float64)
+
+    @tf.function
+    def program() -> Any:
+        c.assign(0.5)
+        with tf.autodiff.ForwardAccumulator(x, tf.constant(1.0, tf.float64)) as acc:
+            with AssignAwareTape():
+                tf.cond(x > 0, lambda: (c.assign(c * x + x * x), tf.constant(0))[1], lambda: tf.constant(0))
+                y = c * c
+        return acc.jvp(y)
+
+    # Rewrite: c1 = 0.5 x + x^2; y = c1^2.
+    xc = tf.constant(1.2, tf.float64)
+    with tf.autodiff.ForwardAccumulator(xc, tf.constant(1.0, tf.float64)) as acc:
+        value = 0.5 * xc + xc * xc
+        y = value * value
+    np.testing.assert_allclose(float(program()), float(acc.jvp(y)), rtol=1e-12)
+
+
+@modes
+def test_forward_over_reverse_hessian_vector_product(mode):
+    a = tf.Variable([1.0, 2.0, -0.5], dtype=tf.float64)
+    b = tf.Variable([0.0, 0.0, 0.0], dtype=tf.float64)
+    direction = tf.constant([0.3, -1.0, 2.0], tf.float64)
+
+    def program() -> Any:
+        with tf.autodiff.ForwardAccumulator(a, direction) as acc:
+            with AssignAwareTape() as tape:
+                b.assign(a * a)
+                b.scatter_mul(tf.IndexedSlices(tf.stack([a[0]]), [2]))
+                y = tf.reduce_sum(b * tf.sin(a))
+            grad = tape.gradient(y, a)
+        return acc.jvp(grad)
+
+    hvp = run(mode, program)
+
+    a0 = tf.constant([1.0, 2.0, -0.5], tf.float64)
+    # H v by reverse-over-reverse: the gradient of <g, v>.
+    with tf.GradientTape() as outer:
+        outer.watch(a0)
+        with tf.GradientTape() as inner:
+            inner.watch(a0)
+            b0 = a0 * a0
+            b0 = tf.tensor_scatter_nd_update(b0, [[2]], [b0[2] * a0[0]])
+            y0 = tf.reduce_sum(b0 * tf.sin(a0))
+        g0 = inner.gradient(y0, a0)
+        dot = tf.reduce_sum(g0 * direction)
+    expected = outer.gradient(dot, a0)
+    np.testing.assert_allclose(hvp.numpy(), expected.numpy(), rtol=1e-10)
+
+
+def _sgd_steps(lr: Any, w: Any, steps: int, optimizer: Any) -> Any:
+    for _ in range(steps):
+        with tf.GradientTape() as inner:
+            loss = tf.reduce_sum(tf.sin(w) * w)
+        optimizer.apply_gradients([(inner.gradient(loss, w), w)])
+    return tf.reduce_sum((w - 1.0) ** 2)
+
+
+@modes
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_forward_mode_hypergradient_through_keras_sgd_equals_reverse_mode(mode, momentum):
+    w0 = np.array([0.5, -1.5, 2.0])
+    lr = tf.Variable(0.05, dtype=tf.float64)
+    w = tf.Variable(w0)
+    optimizer = keras.optimizers.SGD(learning_rate=lambda: lr, momentum=momentum)
+    optimizer.build([w])
+
+    def forward() -> Any:
+        w.assign(w0)
+        for slot in optimizer.variables[1:]:
+            slot.assign(tf.zeros_like(slot))
+        with tf.autodiff.ForwardAccumulator(lr, tf.constant(1.0, tf.float64)) as acc:
+            with AssignAwareTape():
+                val = _sgd_steps(lr, w, 3, optimizer)
+        return acc.jvp(val)
+
+    def reverse() -> Any:
+        w.assign(w0)
+        for slot in optimizer.variables[1:]:
+            slot.assign(tf.zeros_like(slot))
+        with AssignAwareTape() as tape:
+            val = _sgd_steps(lr, w, 3, optimizer)
+        return tape.gradient(val, lr)
+
+    jvp, grad = run(mode, forward), run(mode, reverse)
+    assert abs(float(grad)) > 1e-2
+    np.testing.assert_allclose(float(jvp), float(grad), rtol=1e-10)
+
+
+def test_fused_kernel_under_a_forward_accumulator():
+    var, accum = tf.Variable([0.5, -1.0]), tf.Variable([0.1, 0.2])
+    lr = tf.Variable(0.1)
+    with tf.autodiff.ForwardAccumulator(lr, tf.constant(1.0)) as acc:
+        with AssignAwareTape():
+            tf.raw_ops.ResourceApplyMomentum(var=var.handle, accum=accum.handle, lr=lr * 1.0, grad=tf.sin(var),
+                                             momentum=0.9)
+            y = tf.reduce_sum(var * var)
+    # var1 = var0 - lr * (0.9 accum0 + sin(var0)); d y / d lr = 2 var1 . -(0.9 accum0 + sin(var0))
+    step = 0.9 * np.array([0.1, 0.2]) + np.sin([0.5, -1.0])
+    var1 = np.array([0.5, -1.0]) - 0.1 * step
+    np.testing.assert_allclose(float(acc.jvp(y)), float(np.sum(2 * var1 * -step)), rtol=1e-5)
+
+
+_CHILD = """
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import sys
+sys.path[:0] = {paths!r}
+import pytest
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", {test!r}, "-k", "not aborts"]))
+"""
+
+
+def test_no_case_aborts_the_process():
+    # A C++ check failure in TensorFlow's forward mode kills the process; run
+    # every case above in a child and require a normal exit code.
+    test_dir = pathlib.Path(__file__).parent
+    code = _CHILD.format(paths=[str(test_dir.parent), str(test_dir)], test=__file__)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode >= 0, f"killed by signal {-done.returncode}:\n{done.stderr[-2000:]}"
+    assert done.returncode == 0, done.stdout[-3000:]
