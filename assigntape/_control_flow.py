@@ -108,6 +108,9 @@ def _version_handle(branch: Any, var: Any, value: Any, after: Optional[Any]) -> 
         {"IdentityN": _BRANCH_VERSION_GRAD}
     ):
         handle = array_ops.identity_n([root, value])[0]
+    # Tapes opened inside the body record ops as they are made, and look
+    # gradients up by op type, not through gradient_override_map: tell them too.
+    record.record_operation("AssigntapeBranchVersion", [handle], [value], lambda g: [g], forward_function=lambda t: [t])
     handle_data_util.copy_handle_data(root, handle)
     branch.scope.owners[id(handle)] = var
     return handle

@@ -138,6 +138,11 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     arguments = bind(("tensor_inputs", "captured_inputs"), args, kwargs)
     tensor_inputs = list(arguments["tensor_inputs"])
     captured_in = list(arguments["captured_inputs"])
+    if scope.unnamed:
+        # A function reads its captures directly, not through v.handle.
+        for h in captured_in:
+            if id(h) in scope.unnamed:
+                _versions.refuse_unnamed(scope, _variable_behind(instance, h, scope), h)
     captured = [h if v is None else _versions.version_in(scope, branch, v) for h, v in
                 ((h, scope.canonical.get(id(h))) for h in captured_in)]
     written = _written_inputs(instance)

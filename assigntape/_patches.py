@@ -39,6 +39,7 @@ import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.distribute import distribute_lib, distribute_utils
 from tensorflow.python.eager import backprop, record
+from tensorflow.python.eager import tape as eager_tape
 from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
 from tensorflow.python.framework import dtypes, indexed_slices, ops
 from tensorflow.python.framework import tensor as tensor_lib
@@ -98,6 +99,16 @@ def _tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Ca
             arguments[name] = ops.convert_to_tensor(arguments[name], dtype=var.dtype)
         if branch is not None:
             return _control_flow.branch_write(op_name, rule, wrapped, arguments, branch, var)
+        around = _versions.branch_around(scope)
+        if around is not None:
+            # A tape opened inside another tape's cond branch or loop body: the
+            # write is that body's (so that it leaves the body for the outer
+            # tape), and this tape's version is the body's new handle.
+            old = scope.current.get(var._unique_id, around.version_of(var))
+            result = _control_flow.branch_write(op_name, rule, wrapped, arguments, around, var)
+            recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
+            scope.advance(var, old, around.versions[var._unique_id], _versions.WriteRecord(op_name, recorded=recorded))
+            return result
         old = scope.current_version(var)
         write = rule.prepare(var, old, arguments)
         old_shape = None if var.shape.is_fully_defined() else _versions.dynamic_shape(old)
@@ -402,22 +413,30 @@ def _v1_slot_key(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
     return wrapped(*args, **kwargs)
 
 
+# TensorFlow's own class, kept at import: code that swaps another class in
+# for ``backprop.GradientTape`` (assigntape.testing.swap_tape) must not
+# redirect the patches.
+_GRADIENT_TAPE = backprop.GradientTape
+
+
 def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
     """The patches besides the op wrappers: (owner, attribute, wrapper function)."""
     return [
         # Calls of traced functions from an eager tape (_functions).
         (ConcreteFunction, "_call_flat", _functions.call_function),
+        # Reads of variables written through handles no tape could name (_versions).
+        (eager_tape, "variable_accessed", _versions.accessed),
         # Values leaving TensorFlow, for explain() (_diagnostics).
         (ops._EagerTensorBase, "_numpy", _diagnostics.leave_tensorflow),
         # Cross-replica updates (_distribute). ``update`` is defined once, on the
         # base class, and every strategy's ``extended`` inherits it.
         (distribute_lib.StrategyExtendedV2, "update", _distribute.distributed_update),
         # Plain tapes beside ours name variables as ours do (_plain_tapes).
-        (backprop.GradientTape, "__enter__", _plain_tapes.enter),
-        (backprop.GradientTape, "__exit__", _plain_tapes.exit),
-        (backprop.GradientTape, "gradient", _plain_tapes.gradient),
-        (backprop.GradientTape, "jacobian", _plain_tapes.jacobian),
-        (backprop.GradientTape, "batch_jacobian", _plain_tapes.jacobian),
+        (_GRADIENT_TAPE, "__enter__", _plain_tapes.enter),
+        (_GRADIENT_TAPE, "__exit__", _plain_tapes.exit),
+        (_GRADIENT_TAPE, "gradient", _plain_tapes.gradient),
+        (_GRADIENT_TAPE, "jacobian", _plain_tapes.jacobian),
+        (_GRADIENT_TAPE, "batch_jacobian", _plain_tapes.jacobian),
         # The slots of tf.compat.v1 optimizers, whose fused kernels are
         # differentiated (_fused), found again after a write in a tape's graph.
         (v1_optimizer, "_var_key", _v1_slot_key),

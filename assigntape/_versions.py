@@ -74,7 +74,7 @@ class WriteRecord(NamedTuple):
 class Scope:
     """The versions of one thread in one graph (``None`` for eager execution)."""
 
-    __slots__ = ("key", "thread", "current", "owners", "tapes", "seen", "canonical", "pinned", "dirty")
+    __slots__ = ("key", "thread", "current", "owners", "tapes", "seen", "canonical", "pinned", "dirty", "unnamed")
 
     def __init__(self, key: Any) -> None:
         self.key = key
@@ -104,6 +104,9 @@ class Scope:
         # when it was written): writes no tape here saw, made while those tapes
         # were closed, resolved at the variable's first read (``cut_on_first_read``).
         self.dirty: Dict[int, Tuple[Any, List[Any]]] = {}
+        # id(handle) -> (handle, op name): variables written, since the tape
+        # opened, through a handle no tape could name (``unknown_variable_write``).
+        self.unnamed: Dict[int, Tuple[Any, str]] = {}
 
     def current_version(self, var: Any) -> Any:
         handle = self.current.get(var._unique_id)
@@ -162,6 +165,7 @@ def close_scope(scope: Scope, tape: "AssignAwareTape") -> None:
         scope.seen.clear()
         scope.canonical.clear()
         scope.dirty.clear()
+        scope.unnamed.clear()
         _scopes().pop(scope.key, None)
         with _all_lock:
             _all_scopes.remove(scope)
@@ -376,15 +380,18 @@ def owner(tensor: Any) -> Optional[Tuple[Scope, Any]]:
 
 
 def unknown_variable_write(tensor: Any, op_name: str) -> None:
-    """Refuses, inside a recording tape, a write through an eager handle no
-    tape can name (a variable created before any tape, its handle fetched
-    before this one opened) to an initialized floating-point variable: the
-    tape would read the written value and credit the version from before.
-    A variable's first write (its initialization) passes."""
+    """Notes, inside a recording tape, a write through an eager handle no tape
+    can name (a variable created before any tape, its handle fetched before
+    this one opened) to an initialized floating-point variable. Its first read
+    in the tape is refused (``refuse_unnamed``): the tape would read the
+    written value and credit the version from before. A variable the tape
+    never reads is plain TensorFlow; a variable's first write (its
+    initialization) is not noted."""
     scopes = getattr(_tls, "scopes", None)
-    if not scopes or _enclosing_scope(scopes) is None or not isinstance(tensor, ops.EagerTensor):
+    if not scopes or not isinstance(tensor, ops.EagerTensor):
         return
-    if tensor.dtype != dtypes.resource or pywrap_tfe.TFE_Py_TapeSetIsStopped():
+    scope = _enclosing_scope(scopes)
+    if scope is None or tensor.dtype != dtypes.resource or pywrap_tfe.TFE_Py_TapeSetIsStopped():
         return
     data = resource_variable_ops.get_eager_safe_handle_data(tensor)
     if not data.is_set or not data.shape_and_type:
@@ -395,15 +402,39 @@ def unknown_variable_write(tensor: Any, op_name: str) -> None:
     with ops.init_scope():  # the handle is eager, even while a graph is built
         if not gen_resource_variable_ops.var_is_initialized_op(tensor):
             return
+    scope.unnamed[id(tensor)] = (tensor, op_name)
+
+
+def accessed(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """``tape.variable_accessed``, the first thing an eager read does: refuse
+    a variable written through a handle no tape could name here, in Python,
+    before TensorFlow's C++ code reads ``v.handle`` (an error raised from there
+    would surface as a SystemError)."""
+    scopes = getattr(_tls, "scopes", None)
+    if scopes:
+        scope = _enclosing_scope(scopes)
+        if scope is not None and scope.unnamed:
+            var = resolve(args[0] if args else kwargs.get("variable"))
+            if var is not None and var._unique_id not in scope.current:
+                refuse_unnamed(scope, var, var.__dict__.get("_handle"))
+    return wrapped(*args, **kwargs)
+
+
+def refuse_unnamed(scope: Scope, var: Any, handle: Any) -> None:
+    """Raises if ``var`` (its own ``handle``) was written through a handle no
+    tape could name since ``scope``'s tape opened (``unknown_variable_write``)."""
+    found = scope.unnamed.get(id(handle))
+    if found is None or found[0] is not handle:
+        return
     from assigntape._errors import UntrackedWriteError
 
     raise UntrackedWriteError(
-        f"{op_name} through a resource handle of a {dtype.name} variable that no open "
-        "AssignAwareTape can name: the variable was created before assigntape's first "
-        "tape, and its handle fetched before this tape opened. Reads after the write "
-        "would credit the version from before, a silently wrong gradient. Fetch the "
-        "handle inside the tape (v.handle), or write with v.assign / assign_add / "
-        "assign_sub."
+        f"Variable {getattr(var, 'name', '(unnamed)')!r} was written by {found[1]} through a resource handle that no "
+        "open AssignAwareTape could name (the variable was created before assigntape's "
+        "first tape, and the handle fetched before this tape opened), and is now read in "
+        "the tape: it would read the written value and credit the version from before, a "
+        "silently wrong gradient. Fetch the handle inside the tape (v.handle), or write "
+        "with v.assign / assign_add / assign_sub."
     )
 
 
@@ -515,6 +546,17 @@ def _current_branch() -> Optional[Branch]:
     return branches.get(ops.get_default_graph()) if branches else None
 
 
+def branch_around(scope: Scope) -> Optional[Branch]:
+    """For a tape opened inside a cond branch or loop body of another tape's
+    graph: that body (its writes must leave it as the outer tape's versions
+    too), else None."""
+    branches = getattr(_tls, "branches", None)
+    if not branches or scope.key is None:
+        return None
+    branch = branches.get(scope.key)
+    return branch if branch is not None and branch.scope is not scope else None
+
+
 def check_writable_here(scope: Scope, var: Any, op_name: str) -> Any:
     """Where a write goes: the tape's own graph (None), a cond branch or loop body
     of it (the ``Branch``), or a body it cannot leave (refused)."""
@@ -561,6 +603,8 @@ class HandleDescriptor:
                         raise AttributeError("_handle")
                     if scope.dirty and id(handle) in scope.dirty:
                         return cut_on_first_read(scope, inst, handle)
+                    if scope.unnamed:
+                        refuse_unnamed(scope, inst, handle)
                 scope.owners[id(handle)] = inst
                 scope.seen.add(d.get("_unique_id"))
                 return handle

@@ -183,17 +183,29 @@ def test_a_write_through_a_handle_fetched_before_the_tape_is_a_version(mode, kin
 
 @modes
 @pytest.mark.parametrize("kind", ["assign", "fused"])
-def test_a_write_through_a_handle_no_tape_can_name_is_refused_and_changes_nothing(mode, kind):
+@pytest.mark.parametrize("read", ["handle", "function"])
+def test_reading_a_variable_written_through_a_handle_no_tape_can_name_is_refused(mode, kind, read):
     uninstall()  # as in a process that never entered a tape: c is created unknown
     x, c = tf.Variable(2.0), tf.Variable(1.5, name="made_before")
     handle = c.handle
+    read_in_function = tf.function(lambda: c * 1.0)
+    read_in_function()  # traced before: it captured c's own handle
 
     def program():
         with AssignAwareTape() as tape:
-            _write_through(kind, handle, x)
-            y = c * 1.0
+            _write_through(kind, handle, x)  # plain TensorFlow so far
+            y = c * 1.0 if read == "handle" else read_in_function()
         return tape.gradient(y, x)
 
-    with pytest.raises(UntrackedWriteError, match="fetched before this tape opened"):
+    with pytest.raises(UntrackedWriteError, match="made_before.*could name"):
         run(mode, program)
-    assert float(c) == 1.5
+
+
+def test_a_variable_written_through_a_handle_no_tape_can_name_and_never_read_is_plain_tensorflow():
+    uninstall()
+    x, c = tf.Variable(2.0), tf.Variable(1.5)
+    handle = c.handle
+    with AssignAwareTape() as tape:
+        tf.raw_ops.AssignVariableOp(resource=handle, value=x * 3.0)
+        y = x * x
+    assert float(c) == 6.0 and float(tape.gradient(y, x)) == 4.0

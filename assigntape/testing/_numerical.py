@@ -1,0 +1,203 @@
+"""``numerical_gradient``: central finite differences of a function that may
+write variables, with every variable it writes put back between runs."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, List
+
+import numpy as np
+import tensorflow as tf
+
+from assigntape._tape import AssignAwareTape
+from assigntape.testing._sources import Source, resolve_sources
+from assigntape.testing._state import SavedState, probe
+
+__all__ = ["numerical_gradient", "require_callable", "scalar_value", "check_versions_exist"]
+
+
+def require_callable(fn: Any) -> None:
+    if not callable(fn):
+        raise TypeError(
+            f"fn must be a callable taking no arguments and returning a scalar tensor, "
+            f"got {type(fn).__name__}"
+        )
+
+
+def scalar_value(result: Any) -> float:
+    """``fn``'s result as a Python float, or a clear error."""
+    try:
+        tensor = tf.convert_to_tensor(result)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"fn must return a scalar tensor, got {type(result).__name__}") from e
+    if tensor.shape.rank != 0:
+        raise ValueError(
+            f"fn must return a scalar (shape []), got shape {tensor.shape}: reduce it, "
+            "e.g. with tf.reduce_sum"
+        )
+    if not (tensor.dtype.is_floating or tensor.dtype.is_integer):
+        raise ValueError(f"fn must return a real scalar, got dtype {tensor.dtype.name}")
+    return float(np.array(tensor))
+
+
+def check_versions_exist(sources: List[Source], tape: AssignAwareTape) -> None:
+    """Every version source names a write that ``fn`` made (on ``tape``)."""
+    for source in sources:
+        made = len(tape.versions(source.variable)) - 1
+        if source.version > made:
+            raise ValueError(
+                f"source {source.name!r}: fn wrote {source.variable.name!r} {made} time(s), so it "
+                f"has no version {source.version}"
+            )
+
+
+class _PerturbingTape(AssignAwareTape):
+    """An ``AssignAwareTape`` that adds ``offset`` to one variable right after
+    its ``index``-th write: the value of that version, perturbed."""
+
+    def __init__(self, var: Any, index: int, offset: np.ndarray) -> None:
+        super().__init__(untracked_writes="cut")
+        self._target = var
+        self._index = index
+        self._offset = offset
+        self._seen = 0
+        self._perturbing = False
+
+    def _note_write(self, var: Any, old: Any, new: Any, write: Any) -> None:
+        super()._note_write(var, old, new, write)
+        if self._perturbing or var._unique_id != self._target._unique_id:
+            return
+        self._seen += 1
+        if self._seen != self._index:
+            return
+        # The write is noted on every open AssignAwareTape, outermost (this
+        # one) first. Perturbing now would make the perturbation a version
+        # before the inner tapes noted the write itself: wait for the last.
+        tapes = self._scope.tapes if self._scope is not None else []
+        last = tapes[-1] if tapes else self
+        if last is self:
+            self._perturb()
+            return
+        noted = last._note_write
+
+        def then_perturb(*args: Any) -> None:
+            del last._note_write  # type: ignore[method-assign,assignment]
+            noted(*args)
+            self._perturb()
+
+        last._note_write = then_perturb  # type: ignore[method-assign,assignment]
+
+    def _perturb(self) -> None:
+        # Recorded like any write, so that tapes opened inside fn (whose
+        # gradients fn may use) keep their chains of versions.
+        self._perturbing = True
+        try:
+            self._target.assign_add(self._offset)
+        finally:
+            self._perturbing = False
+
+    @property
+    def seen(self) -> int:
+        return self._seen
+
+
+def _evaluate(fn: Callable[[], Any], state: SavedState, source: Source, offset: np.ndarray) -> float:
+    """``fn()`` from the saved state, with ``source`` moved by ``offset``."""
+    state.restore()
+    var = source.variable
+    if source.version == 0:
+        var.assign(state.value(var) + offset)
+        return scalar_value(fn())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # writes in tf.functions, cut
+        with _PerturbingTape(var, source.version, offset) as tape:
+            result = fn()
+    if tape.seen < source.version:
+        raise ValueError(
+            f"source {source.name!r}: this run of fn wrote {var.name!r} only {tape.seen} time(s)"
+        )
+    return scalar_value(result)
+
+
+def _differences(fn: Callable[[], Any], state: SavedState, source: Source, delta: float) -> np.ndarray:
+    var = source.variable
+    dtype = var.dtype.as_numpy_dtype
+    shape = tuple(var.shape.as_list())
+    base = np.broadcast_to(state.value(var), shape) if source.version == 0 else np.zeros(shape, dtype)
+    directions = [1.0, 1j] if var.dtype.is_complex else [1.0]
+    grad = np.zeros(shape, dtype)
+    for idx in np.ndindex(*shape):
+        for direction in directions:
+            step = np.zeros(shape, dtype)
+            step[idx] = dtype(delta * direction)
+            # In the variable's dtype, x + step - (x - step) need not be
+            # 2 * step exactly: divide by the step actually taken.
+            taken = complex((base + step)[idx] - (base - step)[idx])
+            plus = _evaluate(fn, state, source, step)
+            minus = _evaluate(fn, state, source, -step)
+            taken_size = abs(taken)
+            # TensorFlow's gradient by a complex z is dL/dRe z + i dL/dIm z.
+            grad[idx] += direction * ((plus - minus) / taken_size)
+    return grad
+
+
+def numerical_gradient(
+    fn: Callable[[], Any], sources: Any, *, delta: float = 1e-3
+) -> List[np.ndarray]:
+    """Central finite differences of ``fn()`` with respect to each source.
+
+    ``fn`` may write variables. It runs once first under an ``AssignAwareTape``
+    to find which variables it writes (the tape's ``history()``); every one of
+    them, and every source, is then written back to its value from before that
+    run before each evaluation, and after the last one, also when ``fn`` or
+    the check raises.
+
+    The differences are taken in each variable's own dtype. In float32 they are
+    good to about two or three digits at best; check in float64.
+
+    Args:
+      fn: A callable with no arguments that returns a real scalar tensor.
+      sources: A variable (``tf.Variable`` or Keras 3 variable), a version
+        handle from ``AssignAwareTape.versions(v)``, or a list or tuple of them.
+        A variable means its value before ``fn`` runs. A handle means the value
+        right after the write that made it (version ``k`` of ``v``: after
+        ``fn``'s ``k``-th write to ``v``); the tape that gave it must still be
+        alive, and should have run ``fn`` alone.
+      delta: The step of the central differences.
+
+    Returns:
+      One NumPy array per source, in the variable's shape and dtype. For a
+      complex variable, ``dL/dRe + i dL/dIm``, as TensorFlow's gradients are.
+
+    Raises:
+      TypeError: ``fn`` is not callable, returns something other than a
+        tensor, or a source is not a variable or version handle.
+      ValueError: ``fn`` returns a non-scalar or complex value, or a version
+        source names a write that ``fn`` does not make.
+      Exception: whatever ``fn`` raises, after every variable is restored.
+
+    Example:
+
+    >>> w = tf.Variable([1.0, 2.0], dtype=tf.float64)
+    >>> def fn():
+    ...     _ = w.assign(w * 3.0)
+    ...     return tf.reduce_sum(w ** 2)
+    >>> [g.round(4).tolist() for g in numerical_gradient(fn, [w])]
+    [[18.0, 36.0]]
+    >>> w.numpy().tolist()                   # put back
+    [1.0, 2.0]
+    """
+    require_callable(fn)
+    resolved = resolve_sources(sources)
+    state = SavedState()
+    for source in resolved:
+        state.save(source.variable)
+    try:
+        result, tape = probe(fn, state)
+        scalar_value(result)
+        check_versions_exist(resolved, tape)
+        # A closed tape that is still alive keeps every patch awake: let it go.
+        del tape
+        return [_differences(fn, state, source, delta) for source in resolved]
+    finally:
+        state.restore()
