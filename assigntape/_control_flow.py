@@ -57,11 +57,40 @@ def _branch_version_grad(op: Any, grad_handle: Any, grad_value: Any) -> List[Any
     return [None, math_ops.add_n(grads) if grads else None]
 
 
+_TOP_VERSION_GRAD = "AssigntapeTopVersion"
+
+
+@ops.RegisterGradient(_TOP_VERSION_GRAD)
+def _top_version_grad(op: Any, grad_handle: Any, *rest: Any) -> List[Any]:
+    """A version made at the top level of a tape's graph, for symbolic
+    ``tf.gradients`` (tapes have the write recorded): the write's own backward
+    function, kept on the op."""
+    backward = getattr(op, "_assigntape_backward", None)
+    if grad_handle is None or backward is None:
+        return [None] * len(op.inputs)
+    return [None, *backward(grad_handle)]
+
+
+def symbolic_version(old: Any, write_result: Any, inputs: List[Any], backward: Callable[..., Any]) -> Any:
+    """The new version of a write at the top level of a tape's graph: a handle
+    for the same resource, read after the write, whose symbolic gradient (for
+    ``tf.gradients``, which TensorFlow Probability's kernels use in graphs) is
+    the write's backward function. Unrecorded, as ``_versions.new_version``."""
+    with record.stop_recording(), ops.control_dependencies([write_result]):
+        with ops.get_default_graph().gradient_override_map({"IdentityN": _TOP_VERSION_GRAD}):
+            outputs = array_ops.identity_n([old, *inputs])
+    handle = outputs[0]
+    handle.op._assigntape_backward = backward
+    handle_data_util.copy_handle_data(old, handle)
+    return handle
+
+
 def _is_branch_version(op: Any) -> bool:
+    """A version handle made by IdentityN (in a body, or for tf.gradients)."""
     if op.type != "IdentityN":
         return False
     try:
-        return bool(op.get_attr("_gradient_op_type") == _BRANCH_VERSION_GRAD.encode())
+        return op.get_attr("_gradient_op_type") in (_BRANCH_VERSION_GRAD.encode(), _TOP_VERSION_GRAD.encode())
     except ValueError:
         return False
 

@@ -121,7 +121,10 @@ def _tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Ca
         else:
             result = wrapped(**arguments)
         _versions.note_write_while_closed(handle, var)
-        new = _versions.new_version(old, result)
+        if scope.key is None or result is None:
+            new = _versions.new_version(old, result)
+        else:
+            new = _control_flow.symbolic_version(old, result, write.inputs, write.backward)
         if write.reads_old:
             # A partial write reads the old value, but a variable that was never
             # read is not watched yet, and an unwatched input is not recorded:

@@ -100,3 +100,42 @@ def test_an_aware_tape_inside_a_body_names_versions_as_anywhere(where):
     if where == "loop":
         expected = expected + rewrite(float(first))[1]
     np.testing.assert_allclose(program().numpy(), expected, rtol=1e-12)
+
+
+def test_hmc_through_a_layer_that_writes_its_weight_matches_the_functional_chain():
+    # tensorflow#54532: a Keras layer's call assigns its weight from the input
+    # and returns a log-probability; TensorFlow Probability's HMC differentiates
+    # it with its own tape (eagerly) or tf.gradients (in a graph) inside its
+    # while loop. With an AssignAwareTape open, the chain must be the chain of
+    # the same log-probability written without the variable.
+    import keras
+    import tensorflow_probability as tfp
+
+    mean, scale = tf.constant([1.0, -2.0]), tf.constant([0.5, 2.0])
+
+    class Posterior(keras.layers.Layer):
+        def build(self, shape: Any) -> None:
+            self.w = self.add_weight(shape=(2,), initializer="zeros", name="w")
+
+        def call(self, state: Any) -> Any:
+            self.w.assign(state)
+            return -0.5 * tf.reduce_sum((self.w - mean) ** 2 / scale)
+
+    layer = Posterior()
+    layer.build((2,))
+
+    def chain(log_prob: Any, tape: bool) -> Any:
+        kernel = tfp.mcmc.HamiltonianMonteCarlo(log_prob, step_size=0.3, num_leapfrog_steps=3)
+
+        def sample() -> Any:
+            return tfp.mcmc.sample_chain(6, tf.constant([0.0, 0.0]), kernel=kernel, trace_fn=None, seed=(4, 2))
+
+        if not tape:
+            return sample()
+        with AssignAwareTape():
+            return sample()
+
+    expected = chain(lambda s: -0.5 * tf.reduce_sum((s - mean) ** 2 / scale), tape=False).numpy()
+    assert np.ptp(expected, axis=0).min() > 0.0  # the chain moves
+    np.testing.assert_array_equal(chain(layer, tape=True).numpy(), expected)
+    np.testing.assert_array_equal(tf.function(lambda: chain(layer, tape=True))().numpy(), expected)
