@@ -17,7 +17,7 @@ same for programs with tape events.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -114,6 +114,11 @@ class _Stopped:
             c.__exit__(*exc)
 
 
+class _LoopState(NamedTuple):
+    step: Any
+    extra: Any
+
+
 class ControlFlowStore(VariableStore):
     """Every write made inside graph control flow that runs it exactly once:
     ``tf.cond`` branches whose predicate is a run-time true tensor, and loops over
@@ -133,6 +138,24 @@ class ControlFlowStore(VariableStore):
         if layers[0] == "loop":
             for _ in tf.range(self.one):
                 self._inside(write, layers[1:])
+            return
+        if layers[0] == "struct_loop":
+
+            def body(state: _LoopState) -> Tuple[_LoopState]:
+                self._inside(write, layers[1:])
+                return (_LoopState(state.step + 1, {"scale": state.extra["scale"] * 1.0, "tag": state.extra["tag"]}),)
+
+            start = _LoopState(tf.constant(0), {"scale": tf.constant(1.0), "tag": (tf.constant(7),)})
+            tf.while_loop(lambda state: state.step < self.one, body, (start,))
+            return
+        if layers[0] == "struct_cond":
+
+            def structured() -> Any:
+                self._inside(write, layers[1:])
+                return {"out": tf.constant(0.0), "more": (tf.constant(1), [tf.constant(2.0)])}
+
+            tf.cond(self.pred, structured,
+                    lambda: {"out": tf.constant(0.0), "more": (tf.constant(1), [tf.constant(2.0)])})
             return
 
         def taken() -> Any:

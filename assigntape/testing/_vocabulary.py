@@ -52,4 +52,11 @@ XLA_MISSING: Tuple[str, ...] = ("scatter_nd_min", "scatter_nd_max")  # XLA has n
 # tf.function, a tf.function calling a tf.function
 READ_PATHS = 6
 # Graph control flow around every write (ControlFlowStore): each runs it once.
-LAYERS: Tuple[Tuple[str, ...], ...] = (("cond",), ("cond", "cond"), ("loop",), ("loop", "cond"), ("cond", "loop"))
+# "cond" / "loop": a tf.cond with tensor outputs, a loop over tf.range; the
+# structured forms carry a namedtuple-and-dict loop state ("struct_loop") or
+# return a dict holding a tuple ("struct_cond"), which the tape's own outputs
+# must be threaded through.
+LAYERS: Tuple[Tuple[str, ...], ...] = (
+    ("cond",), ("cond", "cond"), ("loop",), ("loop", "cond"), ("cond", "loop"),
+    ("struct_loop",), ("struct_cond", "struct_loop"), ("struct_loop", "cond"),
+)
