@@ -78,7 +78,7 @@ def symbolic_version(old: Any, write_result: Any, inputs: List[Any], backward: C
     the write's backward function. Unrecorded, as ``_versions.new_version``."""
     with record.stop_recording(), ops.control_dependencies([write_result]):
         with ops.get_default_graph().gradient_override_map({"IdentityN": _TOP_VERSION_GRAD}):
-            outputs = array_ops.identity_n([old, *inputs])
+            outputs = array_ops.identity_n([_versions.root_handle(old), *inputs])
     handle = outputs[0]
     handle.op._assigntape_backward = backward
     handle_data_util.copy_handle_data(old, handle)

@@ -686,4 +686,23 @@ def new_version(old: Any, write_result: Any) -> Any:
             return array_ops.identity(old)
         # In a graph, reads through the new handle must run after the write.
         with ops.control_dependencies([write_result]):
-            return array_ops.identity(old)
+            return array_ops.identity(root_handle(old))
+
+
+def root_handle(handle: Any) -> Any:
+    """In a graph: the handle that ``handle``, a version, is an identity of.
+
+    Every version made in a graph is an identity of this root (not of the
+    version before it, which the write's control dependency already orders):
+    TensorFlow's automatic control dependencies resolve each op's resource
+    through such identities, and a chain as long as the writes would make
+    tracing quadratic in their number."""
+    for _ in range(4):
+        op = getattr(handle, "op", None)
+        if op is None or op.type not in ("Identity", "IdentityN") or not op.inputs:
+            break
+        source = op.inputs[0]
+        if source.dtype != dtypes.resource:
+            break
+        handle = source
+    return handle
