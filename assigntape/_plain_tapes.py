@@ -153,6 +153,10 @@ def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any)
     """``GradientTape.gradient`` of a plain tape: variables named as above."""
     if not _is_plain(instance):
         return wrapped(*args, **kwargs)
+    if not _versions.any_scopes() and getattr(instance, _START, None) is None and _end(instance) is None:
+        # Never beside a tape of ours: plain TensorFlow (a variable means its
+        # own handle, which is what TensorFlow reads from it here).
+        return wrapped(*args, **kwargs)
     from assigntape._wrapping import bind
 
     arguments = bind(("target", "sources", "output_gradients", "unconnected_gradients"), args, kwargs)

@@ -1,113 +1,358 @@
-"""``python -m benchmarks``: time every workload against its baseline, measure
-memory, print a table of ratios and save the raw results as JSON.
+"""``python -m benchmarks [--quick]``: the figures of issue #11 ("Drop-in at zero
+cost"), each paired and interleaved against its baseline (see
+``benchmarks.paired``), with bootstrap 95% intervals, the targets and whether
+each interval is under its target.
 
-Ratios are candidate / baseline from the same run (the machines are shared and
-noisy, so absolute times alone mean little), taken on the *minimum* of each
-case's rounds: the work is deterministic, so the fastest round is the one least
-disturbed by other load, and on a shared 2-core machine medians swing by tens
-of percent between runs. Medians are saved too.
+The "plain TensorFlow outside any tape" figures compare two long-lived worker
+processes (``benchmarks.worker``): one that used an AssignAwareTape (patches
+installed, dormant), one that never imported assigntape. The parent asks each
+in turn, alternating which goes first, to time one side of a round.
+
+``--quick`` takes about 1-3 minutes; the full run about 10-20. Each run saves
+``benchmarks/results/latest.json`` (everything, with every round's times) and
+a small summary ``benchmarks/results/<date>-<mode>.json``.
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
 import datetime
 import json
 import os
 import pathlib
 import platform
+import re
 import subprocess
 import sys
 import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
+PER_WRITE_N = 100
 
-def _time_workloads(extra_args):
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = pathlib.Path(tmp) / "bench.json"
-        cmd = [
-            sys.executable, "-m", "pytest", str(HERE / "bench_tape.py"), "-q",
-            "-o", "python_files=bench_*.py", "-p", "no:cacheprovider",
-            f"--benchmark-json={raw}", "--benchmark-disable-gc", "--benchmark-quiet",
-            "--benchmark-columns=min,median", *extra_args,
-        ]
-        subprocess.run(cmd, check=True, cwd=HERE.parent)
-        return json.loads(raw.read_text())
+# name, label, unit, kind, target (None: report only), modes
+IN_PROCESS = [
+    ("enter_exit", "tape enter+exit, AssignAwareTape - tf.GradientTape", "us", "diff_us", 10.0),
+    ("no_write_eager", "no-write step vs tf.GradientTape [eager]", "x", "ratio", 1.02),
+    ("no_write_compiled", "no-write step vs tf.GradientTape [compiled]", "x", "ratio", 1.01),
+    ("meta_eager", "meta step vs functional rewrite [eager]", "x", "ratio", 1.05),
+    ("meta_compiled", "meta step vs functional rewrite [compiled]", "x", "ratio", 1.02),
+    ("per_write_eager", f"per-write cost, {PER_WRITE_N} writes vs rebindings [eager]", "us", "diff_us", None),
+    ("per_write_compiled", f"per-write cost, {PER_WRITE_N} writes vs rebindings [compiled]", "us", "diff_us", None),
+]
+OUTSIDE_TARGET = 1.01
+OUTSIDE_QUICK = ["no_write_eager", "keras_optimizer_loop", "keras_fit_epoch"]
+OUTSIDE_FULL = ["no_write_eager", "no_write_compiled", "keras_optimizer_loop", "keras_fit_epoch"]
 
-
-def _ratios(raw):
-    groups = {}
-    for bench in raw["benchmarks"]:
-        groups.setdefault(bench["group"], {})[bench["extra_info"]["role"]] = bench["stats"]
-    rows = []
-    for group in sorted(groups):
-        roles = groups[group]
-        if {"baseline", "assigntape"} <= set(roles):
-            base, cand = roles["baseline"]["min"], roles["assigntape"]["min"]
-            rows.append({"workload": group, "baseline_ms": base * 1e3, "assigntape_ms": cand * 1e3,
-                         "ratio": cand / base,
-                         "median_ratio": roles["assigntape"]["median"] / roles["baseline"]["median"]})
-    return rows
+MODES = {
+    # rounds per figure, seconds per side of a round, seconds per chunk
+    # (in this process; in the workers, where each chunk is a request),
+    # worker process pairs
+    "quick": {"rounds": 25, "target_s": 0.05, "chunk_s": 0.002, "worker_chunk_s": 0.01, "pairs": 1},
+    "full": {"rounds": 101, "target_s": 0.15, "chunk_s": 0.002, "worker_chunk_s": 0.01, "pairs": 3},
+}
 
 
-def _slope(points, idx):
-    xs = [p[0] for p in points]
-    ys = [p[idx] for p in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
-def _slopes(rows):
-    """Per-item cost from 4a/4b: least squares of time on the count."""
+def _steps(name: str):
+    from benchmarks import workloads
+
+    if name == "enter_exit":
+        return workloads.enter_exit()
+    kind, mode = name.rsplit("_", 1)
+    compiled = mode == "compiled"
+    if kind == "no_write":
+        return workloads.no_writes(compiled)
+    if kind == "meta":
+        return workloads.meta_step(compiled)
+    if kind == "per_write":
+        return workloads.writes_per_tape(PER_WRITE_N, compiled=compiled)
+    raise KeyError(name)
+
+
+def _in_process(names: List[str], cfg: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    from benchmarks import paired
+
+    from assigntape import AssignAwareTape
+
+    with AssignAwareTape():  # install the patches once, outside every figure
+        pass
     out = {}
-    for key, what in [("4a", "writes to one variable"), ("4b", "variables written once")]:
-        for mode in ("eager", "compiled"):
-            points = [
-                (int(r["workload"].split()[1]), r["assigntape_ms"], r["baseline_ms"])
-                for r in rows
-                if r["workload"].startswith(key + " ") and r["workload"].endswith(f"[{mode}]")
-            ]
-            if len(points) >= 2:
-                out[f"{what} [{mode}]"] = {
-                    "assigntape_us_per_item": _slope(points, 1) * 1e3,
-                    "baseline_us_per_item": _slope(points, 2) * 1e3,
-                }
+    for name, label, unit, kind, target in IN_PROCESS:
+        if name not in names:
+            continue
+        _log(f"timing {label} ...")
+        steps = _steps(name)
+        for _ in range(3):  # warm caches and the wrappers
+            steps["assigntape"]()
+            steps["baseline"]()
+        cand = steps["baseline" if cfg["aa"] else "assigntape"]
+        res = paired.measure(
+            paired.loop_side(cand), paired.loop_side(steps["baseline"]),
+            rounds=cfg["rounds"], target_s=cfg["target_s"], chunk_s=cfg["chunk_s"], kind=kind,
+            before_round=gc.collect,
+            per=PER_WRITE_N if name.startswith("per_write") else 1.0, clock=cfg["clock"],
+        )
+        res.update(label=("A/A: " if cfg["aa"] else "") + label, unit=unit, target=target)
+        out[name] = res
+        del steps
     return out
 
 
-def main() -> None:
-    extra = sys.argv[1:]
-    raw = _time_workloads(extra)
-    rows = _ratios(raw)
-    from benchmarks import memory  # after timing: its allocations would add noise
+class Worker:
+    """One ``benchmarks.worker`` process."""
 
-    mem = memory.measure()
-    slopes = _slopes(rows)
+    def __init__(self, assigntape: bool, threads: int, log_dir: str):
+        import assigntape as _at
+
+        src = str(pathlib.Path(_at.__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([src, str(HERE.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        self.role = "assigntape" if assigntape else "plain"
+        self.log_path = os.path.join(log_dir, f"worker-{self.role}-{id(self)}.log")
+        self._log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "benchmarks.worker", f"--threads={threads}"]
+        if assigntape:
+            cmd.append("--assigntape")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, cwd=str(HERE.parent), env=env, bufsize=1)
+
+    def ask(self, req: Dict[str, Any]) -> Dict[str, Any]:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            self._log.flush()
+            raise RuntimeError(f"worker {self.role} died; see {self.log_path}:\n"
+                               + pathlib.Path(self.log_path).read_text()[-3000:])
+        return json.loads(line)
+
+    def side(self, case: str):
+        def run(reps: int):
+            reply = self.ask({"op": "time", "case": case, "reps": reps})
+            return reply["wall"], reply["cpu"]
+
+        return run
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except Exception:
+            self.proc.kill()
+        self._log.close()
+
+
+def _outside(cases: List[str], cfg: Dict[str, Any], threads: int) -> Dict[str, Dict[str, Any]]:
+    from benchmarks import paired, worker
+
+    out: Dict[str, Dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as log_dir:
+        _log(f"starting {cfg['pairs']} pair(s) of worker processes ...")
+        pairs = [(Worker(not cfg["aa"], threads, log_dir), Worker(False, threads, log_dir))
+                 for _ in range(cfg["pairs"])]
+        try:
+            infos = [[w.ask({"op": "info"}) for w in pair] for pair in pairs]
+            for cinfo, binfo in infos:
+                assert cinfo["patches_installed"] != cfg["aa"] and not binfo["assigntape_imported"], infos
+            for case in cases:
+                label = ("A/A: " if cfg["aa"] else "") + "outside any tape: " + worker.CASES[case]
+                _log(f"timing {label} ...")
+                # The same repetitions in every process: calibrated on the first pair.
+                plan = paired.calibrate(pairs[0][0].side(case), pairs[0][1].side(case), cfg["target_s"],
+                                        cfg["worker_chunk_s"])
+                per_pair = []
+                for cand, base in pairs:
+                    # Rounds split among the pairs: differences between processes
+                    # (memory layout, ...) then show in the pooled median.
+                    n = max(5, cfg["rounds"] // len(pairs))
+                    per_pair.append(paired.measure(
+                        cand.side(case), base.side(case), rounds=n, target_s=cfg["target_s"],
+                        chunk_s=cfg["worker_chunk_s"], plan=plan, clock=cfg["clock"],
+                        before_round=lambda c=cand, b=base: (c.ask({"op": "gc"}), b.ask({"op": "gc"}))))
+                reps = plan[0] * plan[1]
+                tc = [t for r in per_pair for t in r["candidate_s"]]
+                tb = [t for r in per_pair for t in r["baseline_s"]]
+                res = paired.figure(tc, tb, kind="ratio", reps=reps, clock=cfg["clock"])
+                other = paired.figure(tc, tb, kind="ratio", reps=reps, clock="wall" if cfg["clock"] == "cpu" else "cpu")
+                other.pop("candidate_s"), other.pop("baseline_s")
+                res.update(other_clock=other, chunk_reps=plan[0], chunks=plan[1], per_pair_median=[r["median"] for r in per_pair],
+                           label=label, unit="x", target=OUTSIDE_TARGET)
+                out["outside_" + case] = res
+        finally:
+            for pair in pairs:
+                for w in pair:
+                    w.close()
+    return out
+
+
+def _fmt(res: Dict[str, Any]) -> str:
+    if res["unit"] == "us":
+        return f"{res['median']:+.1f} [{res['lo']:+.1f}, {res['hi']:+.1f}] us"
+    return f"{res['median']:.3f} [{res['lo']:.3f}, {res['hi']:.3f}]"
+
+
+def _target(res: Dict[str, Any]) -> str:
+    if res["target"] is None:
+        return "report"
+    return f"<= {res['target']:+.0f} us" if res["unit"] == "us" else f"<= {res['target']:.2f}x"
+
+
+def _width(res: Dict[str, Any]) -> str:
+    if res["unit"] == "us":
+        return f"{res['hi'] - res['lo']:.1f} us"
+    return f"{(res['hi'] - res['lo']) * 100:.1f}%"
+
+
+def _print_table(figures: Dict[str, Dict[str, Any]]) -> None:
+    from benchmarks.paired import verdict
+
     print()
-    print(f"{'workload (min of rounds)':<52} {'baseline ms':>12} {'assigntape ms':>14} {'ratio':>7} {'(median)':>9}")
-    print("-" * 98)
-    for row in rows:
-        print(f"{row['workload']:<52} {row['baseline_ms']:>12.3f} {row['assigntape_ms']:>14.3f} "
-              f"{row['ratio']:>7.3f} {row['median_ratio']:>9.3f}")
-    print()
-    for label, s in slopes.items():
-        print(f"slope, {label}: {s['assigntape_us_per_item']:.1f} us per item "
-              f"(baseline {s['baseline_us_per_item']:.1f} us)")
-    print()
-    for name, m in mem.items():
-        print(f"memory, {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in m.items()))
-    result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "processor": platform.processor()},
-        "rows": rows, "slopes": slopes, "memory": mem, "raw": raw["benchmarks"],
+    head = f"{'figure':<72} {'target':>11}  {'median [95% interval]':<28} {'width':>8}  {'verdict':<10} {'base / cand us per call':>24}  {'other clock: median'}"
+    print(head)
+    print("-" * len(head))
+    for res in figures.values():
+        res["verdict"] = verdict(res["lo"], res["hi"], res["target"])
+        print(f"{res['label']:<72} {_target(res):>11}  {_fmt(res):<28} {_width(res):>8}  {res['verdict']:<10} "
+              f"{res['baseline_us_per_call']:>11.1f} / {res['candidate_us_per_call']:<10.1f}  "
+              f"{res['other_clock']['clock']} {_fmt(dict(res['other_clock'], unit=res['unit'])).split(' [')[0]}")
+
+
+def _print_pairs(figures: Dict[str, Dict[str, Any]]) -> None:
+    rows = [(r["label"], r["per_pair_median"]) for r in figures.values() if len(r.get("per_pair_median", [])) > 1]
+    if rows:
+        print("\nouter figures, median of each worker pair (the interval above covers round-to-round noise,"
+              " not differences between processes):")
+        for label, meds in rows:
+            print(f"  {label}: " + ", ".join(f"{m:.3f}" for m in meds))
+
+
+def _dumps(obj: Any) -> str:
+    """Indented JSON with lists of numbers (and lists of those) on one line each."""
+    text = json.dumps(obj, indent=1)
+    flat = re.compile(r"\[\s*([-0-9.eE+]+(?:,\s*[-0-9.eE+]+)*)\s*\]")
+    text = flat.sub(lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
+    nested = re.compile(r"\[\s*(\[[^\[\]\n]*\](?:,\s*\[[^\[\]\n]*\])*)\s*\]")
+    return nested.sub(lambda m: "[" + re.sub(r"\],\s*\[", "], [", m.group(1)) + "]", text)
+
+
+def _git() -> Dict[str, Any]:
+    def run(*args: str) -> Optional[str]:
+        try:
+            return subprocess.run(["git", "--no-optional-locks", *args], cwd=HERE.parent, capture_output=True,
+                                  text=True, check=True).stdout.strip()
+        except Exception:
+            return None
+
+    status = run("status", "--porcelain", "--untracked-files=no")
+    return {"commit": run("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+
+
+def _machine() -> Dict[str, Any]:
+    model = None
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "cpu_model": model or platform.processor()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and cases (about 1-3 minutes)")
+    parser.add_argument("--rounds", type=int, help="rounds per figure (quick 25, full 101)")
+    parser.add_argument("--side-ms", type=float, help="milliseconds per side of a round (quick 50, full 150)")
+    parser.add_argument("--pairs", type=int, help="worker process pairs for the outside-tape figures")
+    parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                        help="the time the figures are of: process CPU time (default) or wall time; both are saved")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="TensorFlow intra- and inter-op threads in every process (0: TensorFlow's default)")
+    parser.add_argument("--only", nargs="*", help="figure names to run (e.g. enter_exit meta_eager outside_keras_fit_epoch)")
+    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                        help="also measure memory (benchmarks.memory; default: on in the full run, off with --quick)")
+    parser.add_argument("--aa", action="store_true",
+                        help="A/A check of the harness: every figure with the baseline on both sides "
+                             "(two plain workers); the ratios should be 1 and the differences 0")
+    args = parser.parse_args()
+
+    mode = "quick" if args.quick else "full"
+    cfg = dict(MODES[mode])
+    if args.rounds:
+        cfg["rounds"] = args.rounds
+    if args.side_ms:
+        cfg["target_s"] = args.side_ms / 1e3
+    if args.pairs:
+        cfg["pairs"] = args.pairs
+    cfg["clock"] = args.clock
+    cfg["aa"] = args.aa
+    run_name = mode + ("-aa" if args.aa else "")
+    with_memory = (mode == "full") if args.memory is None else args.memory
+
+    import tensorflow as tf
+
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+
+    names = [n for n, *_ in IN_PROCESS]
+    outside = OUTSIDE_QUICK if mode == "quick" else OUTSIDE_FULL
+    if args.only:
+        names = [n for n in names if n in args.only]
+        outside = [c for c in OUTSIDE_FULL if "outside_" + c in args.only]
+
+    started = time.time()
+    load_before = os.getloadavg()
+    figures = _in_process(names, cfg)
+    if outside:
+        figures.update(_outside(outside, cfg, args.threads))
+    _print_table(figures)
+    _print_pairs(figures)
+
+    mem = None
+    if with_memory:
+        _log("measuring memory (benchmarks.memory) ...")
+        from benchmarks import memory
+
+        mem = memory.measure()
+        print()
+        memory.print_report(mem)
+
+    elapsed = time.time() - started
+    date = datetime.datetime.now(datetime.timezone.utc)
+    meta = {
+        "date": date.isoformat(timespec="seconds"), "mode": run_name, "config": cfg, "threads": args.threads,
+        "elapsed_s": round(elapsed, 1), "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+        "machine": _machine(), "tensorflow": tf.__version__, "git": _git(),
     }
+    import keras
+
+    meta["keras"] = keras.__version__
+    summary = dict(meta, figures={
+        name: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()
+               if k in ("label", "unit", "target", "median", "lo", "hi", "verdict", "rounds", "reps",
+                        "baseline_us_per_call", "candidate_us_per_call")}
+        for name, res in figures.items()
+    }, memory=mem)
     RESULTS.mkdir(exist_ok=True)
-    stamp = result["date"][:19].replace(":", "")
-    for path in (RESULTS / f"{stamp}.json", RESULTS / "latest.json"):
-        path.write_text(json.dumps(result, indent=1))
-    print(f"\nsaved {RESULTS / 'latest.json'}")
+    (RESULTS / "latest.json").write_text(_dumps(dict(meta, figures=figures, memory=mem)))
+    stamp = date.strftime("%Y-%m-%dT%H%M%S")
+    (RESULTS / f"{stamp}-{run_name}.json").write_text(_dumps(summary))
+    print(f"\n{run_name} run, {elapsed / 60:.1f} min, load average {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}; "
+          f"saved {RESULTS / 'latest.json'} and {RESULTS / f'{stamp}-{run_name}.json'}")
 
 
 if __name__ == "__main__":
