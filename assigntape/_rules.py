@@ -41,7 +41,7 @@ from assigntape._errors import DuplicateIndicesError
 
 __all__ = [
     "Write", "Rule", "RULES", "COMBINES", "UNDIFFERENTIABLE_PREFIXES",
-    "REFUSED_WRITES", "NOT_VARIABLE_WRITES", "refused", "gather_rows",
+    "REFUSED_WRITES", "NOT_VARIABLE_WRITES", "VERSION_SPECIFIC", "refused", "gather_rows",
 ]
 
 Args = Dict[str, Any]
@@ -421,6 +421,11 @@ REFUSED_WRITES: frozenset[str] = frozenset(
 )
 
 
+# Listed ops that only some supported TensorFlow versions register (2.16 has
+# InitializeTRTResource; later versions add the other two).
+VERSION_SPECIFIC: frozenset[str] = frozenset({"InitializeTRTResource", "GlobalShuffleDataset", "IteratorGetModelProto"})
+
+
 def refused(op_type: str) -> bool:
     """Whether an op writes variables the tape refuses (it has no rule)."""
     if op_type in REFUSED_WRITES:
@@ -433,6 +438,7 @@ def refused(op_type: str) -> bool:
 # resource: their kernels look the handle up as their own kind, and a variable's
 # handle fails that lookup instead of being written.
 NOT_VARIABLE_WRITES: Dict[str, frozenset[str]] = {
+    "initializes a TensorRT engine cache resource": frozenset({"InitializeTRTResource"}),
     "read a variable's value, shape or initialisation state": frozenset(
         {
             "ReadVariableOp", "_ReadVariablesOp", "ReadVariableXlaSplitND", "ResourceGather",
