@@ -8,9 +8,8 @@ import numpy as np
 import tensorflow as tf
 
 from assigntape._tape import AssignAwareTape
-from assigntape.testing._numerical import check_versions_exist, numerical_gradient, require_callable, scalar_value
-from assigntape.testing._sources import Source, resolve_sources
-from assigntape.testing._state import SavedState, probe
+from assigntape.testing._numerical import numerical_gradient, probed, scalar_value
+from assigntape.testing._sources import Source
 
 __all__ = ["check_gradients", "mismatch_table"]
 
@@ -128,17 +127,8 @@ def check_gradients(
     >>> float(analytic[0]), round(float(numeric[0]), 4)
     (12.0, 12.0)
     """
-    require_callable(fn)
-    resolved = resolve_sources(sources)
-    state = SavedState()
-    for source in resolved:
-        state.save(source.variable)
+    resolved, state = probed(fn, sources)
     try:
-        result, tape = probe(fn, state)
-        scalar_value(result)
-        check_versions_exist(resolved, tape)
-        del tape
-        state.restore()
         analytic = _analytic(fn, resolved, compiled)
     finally:
         state.restore()

@@ -4,7 +4,7 @@ write variables, with every variable it writes put back between runs."""
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -187,6 +187,17 @@ def numerical_gradient(
     >>> w.numpy().tolist()                   # put back
     [1.0, 2.0]
     """
+    resolved, state = probed(fn, sources)
+    try:
+        return [_differences(fn, state, source, delta) for source in resolved]
+    finally:
+        state.restore()
+
+
+def probed(fn: Any, sources: Any) -> Tuple[List[Source], SavedState]:
+    """Checks ``fn`` and ``sources``, runs ``fn`` once under a tape to save
+    every variable it writes, and puts them back. Raises (everything restored)
+    on bad input or if ``fn`` raises."""
     require_callable(fn)
     resolved = resolve_sources(sources)
     state = SavedState()
@@ -198,6 +209,6 @@ def numerical_gradient(
         check_versions_exist(resolved, tape)
         # A closed tape that is still alive keeps every patch awake: let it go.
         del tape
-        return [_differences(fn, state, source, delta) for source in resolved]
     finally:
         state.restore()
+    return resolved, state
