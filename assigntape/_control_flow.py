@@ -78,7 +78,13 @@ def symbolic_version(old: Any, write_result: Any, inputs: List[Any], backward: C
     the write's backward function. Unrecorded, as ``_versions.new_version``."""
     with record.stop_recording(), ops.control_dependencies([write_result]):
         with ops.get_default_graph().gradient_override_map({"IdentityN": _TOP_VERSION_GRAD}):
-            outputs = array_ops.identity_n([_versions.root_handle(old), *inputs])
+            root = _versions.root_handle(old)
+            # IdentityN has several inputs, so TensorFlow's placer does not put
+            # it with its resource input, as it does an Identity: it would run
+            # on the function's device, and reads through it fail for a
+            # variable placed elsewhere (tf.device, OneDeviceStrategy, PS).
+            with ops.colocate_with(root):
+                outputs = array_ops.identity_n([root, *inputs])
     handle = outputs[0]
     handle.op._assigntape_backward = backward
     handle_data_util.copy_handle_data(old, handle)
@@ -135,7 +141,7 @@ def _version_handle(branch: Any, var: Any, value: Any, after: Optional[Any]) -> 
     root = branch.scope.current_version(var)
     with ops.control_dependencies([] if after is None else [after]), ops.get_default_graph().gradient_override_map(
         {"IdentityN": _BRANCH_VERSION_GRAD}
-    ):
+    ), ops.colocate_with(root):  # on the variable's device: see symbolic_version
         handle = array_ops.identity_n([root, value])[0]
     # Tapes opened inside the body record ops as they are made, and look
     # gradients up by op type, not through gradient_override_map: tell them too.

@@ -132,3 +132,49 @@ def test_mirrored_variable_kinds_and_aggregations():
     for case in refused:
         assert out[case].get("error") == "UntrackedWriteError", (case, out[case])
         assert "cross-replica update" in out[case]["message"] and "aggregation=NONE" in out[case]["message"]
+
+
+def _functional_other_device():
+    """The other-device programs (tests/helpers/other_device_writes.py),
+    rewritten without variables: ``[d out / d lr, d out / d w]`` each."""
+    from helpers.other_device_writes import LR, W0
+
+    def grads(f):
+        w, lr = tf.constant(W0), tf.constant(LR)
+        with tf.GradientTape() as tape:
+            tape.watch([lr, w])
+            out = f(w, lr)
+        return [g.numpy().tolist() for g in tape.gradient(out, [lr, w])]
+
+    def loop(w, lr):
+        for _ in range(2):
+            w = w - lr * 2.0 * w
+        return tf.reduce_sum(w * 3.0)
+
+    def cond(w, lr):
+        w = w - lr * w
+        return tf.reduce_sum(w * 3.0 + w)
+
+    def scatter(w, lr):
+        w = tf.stack([w[0], w[0] * lr])
+        return tf.reduce_sum(w * w)
+
+    step = lambda w, lr: tf.reduce_sum((w - lr * 2.0 * w) * 3.0)  # noqa: E731
+    return {"top_level": grads(step), "in_cond": grads(cond), "in_loop": grads(loop),
+            "fused_kernel": grads(step), "scatter": grads(scatter)}
+
+
+def test_compiled_writes_to_a_variable_on_another_device():
+    """A version made in a graph is read on the variable's device, not the
+    function's: compiled equals eager equals the rewrite, for a variable placed
+    with tf.device and one made in OneDeviceStrategy's scope."""
+    result = _helper_output("other_device_writes")
+    assert all(device.endswith("CPU:1") for device in result["placed"])
+    expected = _functional_other_device()
+    for placement in ("device", "one_device"):
+        for name, grads in expected.items():
+            for mode in ("eager", "compiled"):
+                got = result[placement][f"{name}/{mode}"]
+                assert not isinstance(got, str), f"{placement} {name} {mode}: {got}"
+                np.testing.assert_allclose(got[0], grads[0], rtol=1e-5, err_msg=f"{placement} {name} {mode}")
+                np.testing.assert_allclose(got[1], grads[1], rtol=1e-5, err_msg=f"{placement} {name} {mode}")
