@@ -347,7 +347,33 @@ def _patch_targets() -> List[Tuple[List[Tuple[Any, str]], Any, Callable[..., Any
         # resource_variable_ops.resource_scatter_add): wrap those too.
         places += [(m, snake) for m in _ALIAS_MODULES if vars(m).get(snake) is original]
         targets.append((places, original, _dormant(wrapper)))
+    for op_name in _RAW_READS:
+        # Only the raw ops (``tf.raw_ops.ReadVariableOp``, ...), which take a
+        # handle the caller may have kept: variables read through the
+        # snake-case functions with ``v.handle``, already the current version,
+        # and a wrapper there would cost every read.
+        original = vars(gen_resource_variable_ops)[_snake(op_name, gen_resource_variable_ops)]
+        params = list(original.__code__.co_varnames[: original.__code__.co_argcount])
+        places = [(m, op_name) for m in [gen_resource_variable_ops, *raw_modules] if op_name in vars(m)]
+        targets.append((places, vars(gen_resource_variable_ops)[op_name], _dormant(_raw_read(params))))
     return targets
+
+
+# The raw ops that read a variable through a resource handle, differentiably.
+_RAW_READS = ("ReadVariableOp", "ResourceGather", "ResourceGatherNd")
+
+
+def _raw_read(params: Sequence[str]) -> Callable[..., Any]:
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+        arguments = bind(params, args, kwargs)
+        handle = arguments.get("resource")
+        mapped = _versions.handle_for_read(handle)
+        if mapped is handle:
+            return wrapped(*args, **kwargs)
+        arguments["resource"] = mapped
+        return wrapped(**arguments)
+
+    return wrapper
 
 
 # Built on first use and kept, grouped by the module that holds them, so that

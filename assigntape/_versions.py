@@ -420,6 +420,22 @@ def accessed(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     return wrapped(*args, **kwargs)
 
 
+def handle_for_read(handle: Any) -> Any:
+    """The resource a raw read op (``tf.raw_ops.ReadVariableOp``, ...) given
+    ``handle`` should read: the handle ``v.handle`` would give here now, if
+    ``handle`` is one of the handles of a variable ``v`` a tape tracks (its
+    own, fetched before the tape, or an earlier version): the read is then
+    credited to the current version, as any other read."""
+    found = owner(handle)
+    if found is None:
+        scopes = getattr(_tls, "scopes", None)
+        scope = _enclosing_scope(scopes) if scopes else None
+        if scope is not None and scope.unnamed:
+            refuse_unnamed(scope, None, handle)
+        return handle
+    return found[1].handle
+
+
 def refuse_unnamed(scope: Scope, var: Any, handle: Any) -> None:
     """Raises if ``var`` (its own ``handle``) was written through a handle no
     tape could name since ``scope``'s tape opened (``unknown_variable_write``)."""
@@ -429,7 +445,7 @@ def refuse_unnamed(scope: Scope, var: Any, handle: Any) -> None:
     from assigntape._errors import UntrackedWriteError
 
     raise UntrackedWriteError(
-        f"Variable {getattr(var, 'name', '(unnamed)')!r} was written by {found[1]} through a resource handle that no "
+        f"{'A variable' if var is None else f'Variable {var.name!r}'} was written by {found[1]} through a resource handle that no "
         "open AssignAwareTape could name (the variable was created before assigntape's "
         "first tape, and the handle fetched before this tape opened), and is now read in "
         "the tape: it would read the written value and credit the version from before, a "
@@ -616,7 +632,11 @@ class HandleDescriptor:
     def __set__(self, inst: Any, value: Any) -> None:
         inst.__dict__["_handle"] = value
         if isinstance(value, ops.EagerTensor):
-            _by_handle[id(value)] = inst
+            known = _by_handle.get(id(value))
+            # An ``_UnreadVariable`` (what ``assign`` returns) is given its
+            # variable's handle: the variable stays its owner.
+            if known is None or known.__dict__.get("_handle") is not value:
+                _by_handle[id(value)] = inst
 
     def __delete__(self, inst: Any) -> None:
         del inst.__dict__["_handle"]

@@ -209,3 +209,68 @@ def test_a_variable_written_through_a_handle_no_tape_can_name_and_never_read_is_
         tf.raw_ops.AssignVariableOp(resource=handle, value=x * 3.0)
         y = x * x
     assert float(c) == 6.0 and float(tape.gradient(y, x)) == 4.0
+
+
+_RAW_READS = {
+    "ReadVariableOp": lambda h: tf.raw_ops.ReadVariableOp(resource=h, dtype=tf.float32),
+    "ResourceGather": lambda h: tf.raw_ops.ResourceGather(resource=h, indices=[1, 0], dtype=tf.float32),
+    "ResourceGatherNd": lambda h: tf.raw_ops.ResourceGatherNd(resource=h, indices=[[1], [0]], dtype=tf.float32),
+}
+
+
+@modes
+@pytest.mark.parametrize("read", sorted(_RAW_READS))
+@pytest.mark.parametrize("fetched", ["before_the_tape", "before_the_write"])
+def test_a_raw_read_through_a_kept_handle_reads_the_current_version(mode, read, fetched):
+    with AssignAwareTape():
+        pass  # installed: the variables created from now on are known by their handles
+    x, c = tf.Variable(2.0), tf.Variable([1.5, -0.5])
+    early = c.handle
+
+    def program():
+        with AssignAwareTape() as tape:
+            handle = early if fetched == "before_the_tape" else c.handle
+            c.assign(c * x)  # [3, -1]
+            y = tf.reduce_sum(_RAW_READS[read](handle) ** 2)
+        return y, tape.gradient(y, [x, c])
+
+    # The rewrite: y = sum((c x)^2), so dy/dx = 2 x sum(c^2), dy/dc = 2 c x^2.
+    y, (gx, gc) = run(mode, program)
+    assert float(y) == 10.0
+    assert float(gx) == 2 * 2.0 * (1.5**2 + 0.5**2)
+    np.testing.assert_allclose(gc, [2 * 1.5 * 4.0, 2 * -0.5 * 4.0])
+
+
+@modes
+def test_a_raw_read_of_a_variable_written_through_a_handle_no_tape_can_name_is_refused(mode):
+    uninstall()  # c is created unknown
+    x, c = tf.Variable(2.0), tf.Variable(1.5)
+    handle = c.handle
+
+    def program():
+        with AssignAwareTape() as tape:
+            tf.raw_ops.AssignVariableOp(resource=handle, value=x * 3.0)
+            y = tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.float32)
+        return tape.gradient(y, x)
+
+    with pytest.raises(UntrackedWriteError, match="A variable was written by AssignVariableOp.*could name"):
+        run(mode, program)
+
+
+@modes
+def test_a_write_through_a_kept_handle_after_an_assign_outside_every_tape_is_a_version(mode):
+    with AssignAwareTape():
+        pass
+    x, c = tf.Variable(2.0), tf.Variable(1.5)
+    handle = c.handle
+    c.assign(5.0)  # outside every tape: its result shares c's handle
+    c.assign_add(1.0)
+
+    def program():
+        with AssignAwareTape() as tape:
+            tf.raw_ops.AssignVariableOp(resource=handle, value=x * 3.0)
+            y = c * c
+        return tape.gradient(y, [x, c])
+
+    gx, gc = run(mode, program)
+    assert float(gx) == 2 * 6.0 * 3.0 and gc is None
