@@ -217,7 +217,7 @@ def branch_write(
     # (under XLA, indices known while tracing to repeat are refused right here).
     write = rule.prepare(var, old, arguments)
     value = rule.value(old_value, arguments)
-    if pywrap_tfe.TFE_Py_TapeSetIsStopped() or not any(t._recording for t in branch.scope.tapes):
+    if pywrap_tfe.TFE_Py_TapeSetIsStopped() or not branch.scope.recording():
         # Under stop_recording: a new version with no gradient path, as outside.
         value = array_ops.stop_gradient(value)
     else:
@@ -256,7 +256,7 @@ def fused_branch_write(
     }
     values = {name: gen_resource_variable_ops.read_variable_op(h, dtype) for name, h in old.items()}
     new_values = _fused.new_values(kernel, values, arguments)
-    stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped() or not any(t._recording for t in branch.scope.tapes)
+    stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped() or not branch.scope.recording()
     with ops.control_dependencies([v.op for v in values.values()] + checks):
         result = wrapped(**arguments)
     for var in tracked.values():

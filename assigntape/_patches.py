@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.distribute import distribute_lib, distribute_utils
-from tensorflow.python.eager import backprop, record
+from tensorflow.python.eager import backprop, forwardprop, record
 from tensorflow.python.eager import tape as eager_tape
 from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
 from tensorflow.python.framework import dtypes, indexed_slices, ops
@@ -466,6 +466,8 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (_GRADIENT_TAPE, "gradient", _plain_tapes.gradient),
         (_GRADIENT_TAPE, "jacobian", _plain_tapes.jacobian),
         (_GRADIENT_TAPE, "batch_jacobian", _plain_tapes.jacobian),
+        (forwardprop.ForwardAccumulator, "__enter__", _plain_tapes.accumulator_enter),
+        (forwardprop.ForwardAccumulator, "__exit__", _plain_tapes.accumulator_exit),
         # The slots of tf.compat.v1 optimizers, whose fused kernels are
         # differentiated (_fused), found again after a write in a tape's graph.
         (v1_optimizer, "_var_key", _v1_slot_key),
@@ -493,7 +495,14 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
 
 # Plain tapes are followed from their entry whether or not a tape of ours is
 # open then: one may open inside them (_plain_tapes).
-_ALWAYS_ON = (_plain_tapes.enter, _plain_tapes.exit, _plain_tapes.gradient, _plain_tapes.jacobian)
+_ALWAYS_ON = (
+    _plain_tapes.enter,
+    _plain_tapes.exit,
+    _plain_tapes.gradient,
+    _plain_tapes.jacobian,
+    _plain_tapes.accumulator_enter,
+    _plain_tapes.accumulator_exit,
+)
 
 # (id(owner), attribute) -> the Wrapper built for the original found there.
 _attribute_wrappers: Dict[Tuple[int, str], Any] = {}

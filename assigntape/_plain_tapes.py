@@ -15,6 +15,12 @@ The plain tape keeps both snapshots on itself, and holds the patches
 closed still maps them. A plain tape entered before any ``AssignAwareTape``
 and still open when one closes gets the versions current then as its latest
 (``note_closing``): it recorded the writes made meanwhile.
+
+Such a plain tape, and a ``ForwardAccumulator`` in the same place, also holds
+the versions (``_versions.close_scope``): until it closes, reads and writes
+go on through them, as if the ``AssignAwareTape`` were still open, so that
+what it reads after the other tape closed is the latest version, not the
+variable's own handle (which it would take for the value from before).
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
+from tensorflow.python.eager import forwardprop
 from tensorflow.python.ops import gen_resource_variable_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
 from assigntape import _versions
 
-__all__ = ["enter", "exit", "gradient", "jacobian", "lease", "note_closing"]
+__all__ = ["accumulator_enter", "accumulator_exit", "enter", "exit", "gradient", "jacobian", "lease", "note_closing"]
 
 _START = "_assigntape_start"
 _END = "_assigntape_end"
@@ -79,7 +86,7 @@ def enter(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) ->
     """``GradientTape.__enter__``: a plain tape notes the versions current now."""
     result = wrapped(*args, **kwargs)
     if _is_plain(instance):
-        _open_plain().append(weakref.ref(instance))
+        _opened(instance)
         if not hasattr(instance, _START):
             snapshot = _snapshot()
             if snapshot is not None:
@@ -92,32 +99,67 @@ def exit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
     """``GradientTape.__exit__``: a plain tape notes the versions current now."""
     result = wrapped(*args, **kwargs)
     if _is_plain(instance):
-        opened = _open_plain()
-        for i in range(len(opened) - 1, -1, -1):
-            if opened[i]() is instance:
-                del opened[i]
-                break
         snapshot = _snapshot()
         if snapshot is not None:
             setattr(instance, _END, snapshot)
             lease(instance)
+        _closed(instance)
     return result
 
 
-def note_closing() -> None:
+def accumulator_enter(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``ForwardAccumulator.__enter__``: followed as a plain tape is, for
+    ``note_closing``."""
+    result = wrapped(*args, **kwargs)
+    _opened(instance)
+    return result
+
+
+def accumulator_exit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``ForwardAccumulator.__exit__``."""
+    result = wrapped(*args, **kwargs)
+    _closed(instance)
+    return result
+
+
+def _opened(instance: Any) -> None:
+    # The graph it is open in: only an AssignAwareTape closing in the same
+    # graph (or eagerly, both eager) wrote under it.
+    _open_plain().append((weakref.ref(instance), _versions.current_key()))
+
+
+def _closed(instance: Any) -> None:
+    opened = _open_plain()
+    for i in range(len(opened) - 1, -1, -1):
+        if opened[i][0]() is instance:
+            del opened[i]
+            break
+    _versions.release_holder(instance)
+
+
+def note_closing() -> List[Any]:
     """An ``AssignAwareTape`` is about to close: the plain tapes still open
-    here keep the versions current now as their latest."""
+    here keep the versions current now as their latest. Returns the plain
+    tapes and forward accumulators open around it, in its graph: they
+    recorded its writes, so the versions must live on for them."""
     opened = getattr(_tls, "open", None)
     if not opened:
-        return
+        return []
     snapshot = _snapshot()
     if snapshot is None:
-        return
-    for ref in opened:
+        return []
+    key = _versions.current_key()
+    holders = []
+    for ref, opened_in in opened:
         instance = ref()
-        if instance is not None:
+        if instance is None:
+            continue
+        if not isinstance(instance, forwardprop.ForwardAccumulator):
             setattr(instance, _LATEST, snapshot)
             lease(instance)
+        if opened_in is key:
+            holders.append(instance)
+    return holders
 
 
 def lease(instance: Any) -> None:

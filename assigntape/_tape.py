@@ -140,8 +140,8 @@ class AssignAwareTape(tf.GradientTape):
             super().__exit__(typ, value, traceback)
         finally:
             if self._scope is not None:
-                _plain_tapes.note_closing()
-                _versions.close_scope(self._scope, self)
+                holders = _plain_tapes.note_closing()
+                _versions.close_scope(self._scope, self, holders)
                 self._scope = None
                 if self._tape is not None:
                     self._start_lease()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, record
@@ -74,7 +74,9 @@ class WriteRecord(NamedTuple):
 class Scope:
     """The versions of one thread in one graph (``None`` for eager execution)."""
 
-    __slots__ = ("key", "thread", "current", "owners", "tapes", "seen", "canonical", "pinned", "dirty", "unnamed")
+    __slots__ = (
+        "key", "thread", "current", "owners", "tapes", "holders", "seen", "canonical", "pinned", "dirty", "unnamed"
+    )
 
     def __init__(self, key: Any) -> None:
         self.key = key
@@ -100,6 +102,11 @@ class Scope:
         self.canonical: Dict[int, Any] = {}
         # Open AssignAwareTapes in this scope, outermost first.
         self.tapes: List["AssignAwareTape"] = []
+        # Plain tapes and forward accumulators that were open around the last
+        # AssignAwareTape here when it closed, and still are: they recorded its
+        # writes, so until they close the scope stays, and every read and write
+        # goes on through versions, for them (``close_scope``).
+        self.holders: List[Any] = []
         # id(a variable's own handle) -> (that handle, the tapes that were closed
         # when it was written): writes no tape here saw, made while those tapes
         # were closed, resolved at the variable's first read (``cut_on_first_read``).
@@ -128,7 +135,12 @@ class Scope:
         return var._unique_id in self.seen
 
     def refuses_untracked(self) -> bool:
-        return any(tape._untracked_writes == "raise" for tape in self.tapes)
+        # Held by plain recorders only: they have no option, refuse.
+        return not self.tapes or any(tape._untracked_writes == "raise" for tape in self.tapes)
+
+    def recording(self) -> bool:
+        """Whether a tape here records: an AssignAwareTape, or a holder."""
+        return any(t._recording for t in self.tapes) or any(getattr(h, "_recording", False) for h in self.holders)
 
 
 def _scopes() -> Dict[Any, Scope]:
@@ -155,20 +167,44 @@ def open_scope(tape: "AssignAwareTape") -> Scope:
     return scope
 
 
-def close_scope(scope: Scope, tape: "AssignAwareTape") -> None:
-    """Unregisters ``tape``; the last tape out drops the scope's versions."""
+def close_scope(scope: Scope, tape: "AssignAwareTape", holders: Sequence[Any] = ()) -> None:
+    """Unregisters ``tape``; the last tape out drops the scope's versions,
+    unless ``holders`` (plain tapes, forward accumulators open around it)
+    keep them until they close (``release_holder``)."""
     scope.tapes.remove(tape)
     if not scope.tapes:
-        scope.current.clear()
-        scope.owners.clear()
-        scope.pinned.clear()
-        scope.seen.clear()
-        scope.canonical.clear()
-        scope.dirty.clear()
-        scope.unnamed.clear()
-        _scopes().pop(scope.key, None)
-        with _all_lock:
-            _all_scopes.remove(scope)
+        if holders:
+            scope.holders = list(holders)
+        else:
+            _drop(scope)
+
+
+def release_holder(instance: Any) -> None:
+    """A plain tape or forward accumulator closes: the scopes of this thread
+    that it held, and nothing else holds, are dropped."""
+    scopes = getattr(_tls, "scopes", None)
+    if not scopes:
+        return
+    for scope in list(scopes.values()):
+        if any(h is instance for h in scope.holders):
+            scope.holders = [h for h in scope.holders if h is not instance]
+            if not scope.holders and not scope.tapes:
+                _drop(scope)
+
+
+def _drop(scope: Scope) -> None:
+    """Forgets ``scope``'s versions and unregisters it."""
+    scope.current.clear()
+    scope.owners.clear()
+    scope.pinned.clear()
+    scope.seen.clear()
+    scope.canonical.clear()
+    scope.dirty.clear()
+    scope.unnamed.clear()
+    scope.holders = []
+    _scopes().pop(scope.key, None)
+    with _all_lock:
+        _all_scopes.remove(scope)
 
 
 def any_scopes() -> bool:

@@ -224,6 +224,28 @@ def test_fused_kernel_under_a_forward_accumulator():
     np.testing.assert_allclose(float(acc.jvp(y)), float(np.sum(2 * var1 * -step)), rtol=1e-5)
 
 
+@modes
+@pytest.mark.parametrize("primal", ["x", "c"])
+def test_accumulator_reads_after_the_aware_tape_inside_it_closed(mode, primal):
+    """A ForwardAccumulator open around an AssignAwareTape: what it reads after
+    that tape closed, while it is still open, is the latest version, whose
+    tangent the write gave."""
+    with AssignAwareTape():
+        pass  # installed before the accumulator opens
+    x, c = tf.Variable(3.0), tf.Variable(2.0)
+
+    def program():
+        c.assign(2.0)
+        with tf.autodiff.ForwardAccumulator(x if primal == "x" else c, tf.constant(1.0)) as acc:
+            with AssignAwareTape():
+                c.assign(c * x)  # 6
+            y = c * c
+            return acc.jvp(y)
+
+    # y = (c0 x)^2: dy/dx = 2 c0^2 x = 24, dy/dc0 = 2 c0 x^2 = 36
+    assert float(run(mode, program)) == (24.0 if primal == "x" else 36.0)
+
+
 _CHILD = """
 import os
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"

@@ -211,3 +211,62 @@ def test_plain_tape_jacobian_with_a_variable_target_after_the_aware_tape_closed(
     expected = np.diag([2.0, 4.0, 6.0, 8.0]).reshape(2, 2, 2, 2)
     np.testing.assert_allclose(jac.numpy(), expected)
     np.testing.assert_allclose(batch.numpy(), [[[2.0, 0.0], [0.0, 4.0]], [[6.0, 0.0], [0.0, 8.0]]])
+
+
+@modes
+@pytest.mark.parametrize("then", ["read", "write_and_read", "aware_again"])
+def test_plain_tape_reads_after_the_aware_tape_inside_it_closed(mode, then):
+    """A plain tape open around an AssignAwareTape recorded its writes: what it
+    reads (and writes) after that tape closed, while it is still open, goes on
+    from the latest version, as the rewrite does."""
+    with AssignAwareTape():
+        pass  # installed before the plain tape opens
+    x, c = tf.Variable(3.0), tf.Variable(2.0)
+
+    def program():
+        c.assign(2.0)
+        with tf.GradientTape(persistent=True) as plain:
+            with AssignAwareTape():
+                c.assign(c * x)  # 6
+            if then == "write_and_read":
+                c.assign_add(x * x)  # 15, no AssignAwareTape open
+            elif then == "aware_again":
+                with AssignAwareTape():
+                    c.assign_add(x * x)
+            y = c * c
+        return plain.gradient(y, [x, c]), plain.gradient(c, x)
+
+    (gx, gc), dc = run(mode, program)
+    # The rewrite: c1 = c0 x, then (write) c2 = c1 + x^2, y = c^2.
+    c1 = 2.0 * 3.0
+    if then == "read":
+        expected = (2 * c1 * 2.0, 2 * c1 * 3.0, 2.0)
+    else:
+        c2 = c1 + 9.0
+        expected = (2 * c2 * (2.0 + 2 * 3.0), 2 * c2 * 3.0, 2.0 + 2 * 3.0)
+    np.testing.assert_allclose([float(gx), float(gc), float(dc)], expected, rtol=1e-6)
+
+
+def test_a_plain_tape_outside_a_function_is_not_held_by_a_tape_inside_it():
+    """Versions made in a tf.function's graph end with it: a plain tape open
+    eagerly around the call sees the function as a whole (plain TensorFlow)."""
+    with AssignAwareTape():
+        pass
+    x, c = tf.Variable(3.0), tf.Variable(2.0)
+
+    @tf.function
+    def step():
+        with AssignAwareTape() as tape:
+            c.assign(c * x)
+            y = c * 1.0
+        return tape.gradient(y, x)
+
+    c.assign(2.0)
+    with tf.GradientTape() as plain:
+        inner = step()
+        y = c * c
+    from assigntape import _versions
+
+    assert not _versions.any_scopes()
+    assert float(inner) == 2.0
+    assert float(plain.gradient(y, c)) == 12.0  # a plain read of the value 6

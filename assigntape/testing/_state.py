@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record
+from tensorflow.python.ops import gen_resource_variable_ops
 
 from assigntape import _versions
 from assigntape._tape import AssignAwareTape
@@ -38,9 +39,10 @@ class SavedState:
         if var._unique_id in self._saved:
             return
         # Eagerly (a write inside a function being traced happens after the
-        # trace), from the variable's own handle, recorded on no tape.
+        # trace), from the variable's own handle, recorded on no tape. (Not
+        # tf.raw_ops.ReadVariableOp: the patches map its handle to a version.)
         with tf.init_scope(), record.stop_recording():
-            value = tf.raw_ops.ReadVariableOp(resource=_versions.canonical_handle(var), dtype=var.dtype)
+            value = gen_resource_variable_ops.read_variable_op(_versions.canonical_handle(var), var.dtype)
         # np.array, not .numpy(): explain() notes values leaving TensorFlow
         # through .numpy() while a tape is open, and this one is not the user's.
         self._saved[var._unique_id] = (var, np.array(value, copy=True))
