@@ -13,6 +13,7 @@ from assigntape._errors import (
 )
 from assigntape._diagnostics import Explanation, History, Reason
 from assigntape._tape import AssignAwareTape
+from assigntape._forward import ForwardAccumulator
 from assigntape._patches import uninstall
 
 __version__ = "0.1.0"
@@ -25,6 +26,7 @@ __all__ = [
     "ControlFlowWriteError",
     "DuplicateIndicesError",
     "Explanation",
+    "ForwardAccumulator",
     "History",
     "NotAVariableError",
     "Reason",

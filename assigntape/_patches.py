@@ -234,7 +234,10 @@ def _forward_value(rule: _rules.Rule, var: Any, old: Any, write: _rules.Write, a
     computed before the write, which overwrites the previous value."""
     if not write.inputs:
         return None
-    _, tangents = pywrap_tfe.TFE_Py_PackJVPs([old, *write.inputs])
+    # In a function, an accumulator watches the handle the function captured
+    # (as TensorFlow's does: convert_to_tensor of the eager handle), not the
+    # eager handle a variable not yet written here is known by.
+    _, tangents = pywrap_tfe.TFE_Py_PackJVPs([ops.convert_to_tensor(old), *write.inputs])
     if not tangents:
         return None
     return rule.value(gen_resource_variable_ops.read_variable_op(old, var.dtype), arguments)

@@ -56,6 +56,9 @@ class AssignAwareTape(tf.GradientTape):
     6.0
     """
 
+    # An internal tape that only makes versions for forward mode (``_forward``).
+    _forward_only = False
+
     def __init__(
         self,
         persistent: bool = False,

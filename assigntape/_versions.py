@@ -124,7 +124,13 @@ class Scope:
         uid = var._unique_id
         self.current[uid] = new
         self.owners[id(new)] = var
-        self.pinned.append(new)
+        if self.key is not None or self.holders or not all(t._forward_only for t in self.tapes):
+            self.pinned.append(new)
+        else:
+            # Only forward-only tapes (``_forward``): a version may go when the
+            # next replaces it (and a forward accumulator's tangent with it);
+            # its entry goes with it, before its id can be reused.
+            weakref.finalize(new, self.owners.pop, id(new), None)
         self.seen.add(uid)
         self.canonical[id(canonical_handle(var))] = var
         for tape in self.tapes:

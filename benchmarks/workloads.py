@@ -158,3 +158,68 @@ def writes_per_tape(n: int, size: int = 16, compiled: bool = False) -> Dict[str,
         return tape.gradient(loss, a)
 
     return {"assigntape": maybe_compile(written, compiled), "baseline": maybe_compile(functional, compiled)}
+
+
+def hypergradient(k: int, size: int = 100_000) -> Dict[str, Step]:
+    """d (final loss) / d (learning rate) through ``k`` Keras ``SGD`` steps on a
+    ``size``-element weight: forward mode (``assigntape.ForwardAccumulator``)
+    and reverse mode (an ``AssignAwareTape``'s ``gradient``)."""
+    import keras
+
+    import assigntape
+
+    w = tf.Variable(tf.random.stateless_normal([size], [3, 1]) * 0.1)
+    start = tf.Variable(w)
+    lr = tf.Variable(0.01)
+    x = tf.random.stateless_normal([size], [3, 2])
+    opt = keras.optimizers.SGD(learning_rate=lambda: lr * 1.0)
+    opt.build([w])
+
+    def loss():
+        return tf.reduce_sum((w * x - 1.0) ** 2) / size
+
+    def steps():
+        for _ in range(k):
+            with tf.GradientTape() as inner:
+                value = loss()
+            opt.apply_gradients([(inner.gradient(value, w), w)])
+        return loss()
+
+    def forward_mode():
+        w.assign(start)
+        with assigntape.ForwardAccumulator(lr, tf.constant(1.0)) as acc:
+            final = steps()
+        return acc.jvp(final)
+
+    def reverse_mode():
+        w.assign(start)
+        with assigntape.AssignAwareTape() as tape:
+            final = steps()
+        return tape.gradient(final, lr)
+
+    return {"forward": forward_mode, "reverse": reverse_mode}
+
+
+def unrolled_writes(n: int) -> Dict[str, Callable[[], tf.types.experimental.GenericFunction]]:
+    """A ``tf.function`` of ``n`` Python-unrolled writes (tape and gradient
+    inside), and its rewrite; each entry makes a new, untraced function, whose
+    first call is trace plus run."""
+    AssignAwareTape = _tape()
+    v, a = tf.Variable(tf.ones([16])), tf.Variable(0.999)
+
+    def written():
+        with AssignAwareTape() as tape:
+            for _ in range(n):
+                v.assign(v * a + 0.001)
+            loss = tf.reduce_sum(v)
+        return tape.gradient(loss, a)
+
+    def functional():
+        with tf.GradientTape() as tape:
+            t = v.read_value()
+            for _ in range(n):
+                t = t * a + 0.001
+            loss = tf.reduce_sum(t)
+        return tape.gradient(loss, a)
+
+    return {"assigntape": lambda: tf.function(written), "baseline": lambda: tf.function(functional)}

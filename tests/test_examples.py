@@ -125,7 +125,8 @@ def test_maml_sine_small_run(tmp_path):
 
 
 @modes
-def test_hypergradient_is_minus_grad_dot_previous_grad(mode):
+@pytest.mark.parametrize("hypergradient", ["reverse", "forward"])
+def test_hypergradient_is_minus_grad_dot_previous_grad(mode, hypergradient):
     model = hypergradient_lr._model(0)
     lr = tf.Variable(0.3)
     optimizer = keras.optimizers.SGD(learning_rate=lambda: lr)
@@ -135,7 +136,9 @@ def test_hypergradient_is_minus_grad_dot_previous_grad(mode):
     previous = [tf.constant(rng.normal(size=w.shape).astype(np.float32)) for w in model.trainable_variables]
     start = [w.numpy() for w in model.trainable_variables]
 
-    loss, grads, d_lr = run(mode, lambda: hypergradient_lr.hypergradient_step(model, optimizer, lr, previous, x, y))
+    loss, grads, d_lr = run(
+        mode, lambda: hypergradient_lr.hypergradient_step(model, optimizer, lr, previous, x, y, hypergradient)
+    )
     # By hand: the weights after the step, and the gradient there.
     after = [tf.constant(w0) - 0.3 * p for w0, p in zip(start, previous)]
     with tf.GradientTape() as tape:
@@ -150,8 +153,11 @@ def test_hypergradient_is_minus_grad_dot_previous_grad(mode):
     np.testing.assert_allclose(float(d_lr), hand, rtol=1e-4)
 
 
-def test_hypergradient_lr_small_run_moves_bad_rates(tmp_path):
-    config = hypergradient_lr.Config(steps=80, plot=str(tmp_path / "hd.png"), progress=False)
+@pytest.mark.parametrize("hypergradient", ["reverse", "forward"])
+def test_hypergradient_lr_small_run_moves_bad_rates(tmp_path, hypergradient):
+    config = hypergradient_lr.Config(
+        steps=80, plot=str(tmp_path / "hd.png"), progress=False, hypergradient=hypergradient
+    )
     results = hypergradient_lr.run(config)
     runs = results["runs"]
     small = runs["SGD-HD, lr0 10x too small (0.1)"]["lr"]

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import assigntape
 from assigntape import AssignAwareTape
 from oracle import modes, run
 
@@ -244,6 +245,103 @@ def test_accumulator_reads_after_the_aware_tape_inside_it_closed(mode, primal):
 
     # y = (c0 x)^2: dy/dx = 2 c0^2 x = 24, dy/dc0 = 2 c0 x^2 = 36
     assert float(run(mode, program)) == (24.0 if primal == "x" else 36.0)
+
+
+def _sgd_hypergradient_problem():
+    w = tf.Variable([0.5, -1.0, 2.0], dtype=tf.float64)
+    lr = tf.Variable(0.05, dtype=tf.float64)
+    x = tf.constant([1.0, 2.0, -0.5], tf.float64)
+    opt = keras.optimizers.SGD(learning_rate=lambda: lr * 1.0, momentum=0.5)
+    opt.build([w])
+
+    def steps(k):
+        for _ in range(k):
+            with tf.GradientTape() as inner:
+                value = tf.reduce_sum(tf.sin(w * x) ** 2)
+            opt.apply_gradients([(inner.gradient(value, w), w)])
+        return tf.reduce_sum((w * x - 1.0) ** 2)
+
+    return w, lr, opt, steps
+
+
+@modes
+def test_assign_aware_forward_accumulator_hypergradient_equals_reverse_mode(mode):
+    w, lr, opt, steps = _sgd_hypergradient_problem()
+    start = w.numpy()
+
+    def reset():
+        w.assign(start)
+        for m in opt.momentums:
+            m.assign(tf.zeros_like(m))
+
+    def forward():
+        reset()
+        with assigntape.ForwardAccumulator(lr, tf.constant(1.0, tf.float64)) as acc:
+            final = steps(4)
+        return acc.jvp(final)
+
+    def reverse():
+        reset()
+        with AssignAwareTape() as tape:
+            final = steps(4)
+        return tape.gradient(final, lr)
+
+    jvp, grad = run(mode, forward), run(mode, reverse)
+    assert float(grad) != 0.0
+    np.testing.assert_allclose(float(jvp), float(grad), rtol=1e-10)
+
+
+def test_assign_aware_forward_accumulator_keeps_only_the_current_version():
+    # Memory must not grow with the number of writes: each earlier version
+    # (and the tangent the accumulator keeps for it) goes once replaced.
+    import gc
+    import weakref
+
+    w, lr = tf.Variable(tf.ones([1000])), tf.Variable(0.1)
+    seen = []
+    with assigntape.ForwardAccumulator(lr, tf.constant(1.0)) as acc:
+        for _ in range(5):
+            w.assign_sub(lr * w)
+            seen.append(weakref.ref(w.handle))
+        loss = tf.reduce_sum(w)
+        gc.collect()
+        assert [r() is None for r in seen] == [True] * 4 + [False]
+    np.testing.assert_allclose(float(acc.jvp(loss)), 1000 * 5 * -(0.9**4), rtol=1e-5)
+
+
+def test_assign_aware_forward_accumulator_inside_a_tape_keeps_the_tapes_versions():
+    w, lr = tf.Variable(2.0), tf.Variable(0.1)
+    with AssignAwareTape() as tape:
+        with assigntape.ForwardAccumulator(lr, tf.constant(1.0)) as acc:
+            w.assign_sub(lr * w)  # 1.8
+            w.assign_sub(lr * w)  # 1.62
+            loss = w * w
+    assert len(tape.versions(w)) == 3
+    # loss = (w0 (1 - lr)^2)^2: d/dlr = -4 w0^2 (1 - lr)^3
+    np.testing.assert_allclose(float(acc.jvp(loss)), -4 * 4.0 * 0.9**3, rtol=1e-6)
+    np.testing.assert_allclose(float(tape.gradient(loss, lr)), -4 * 4.0 * 0.9**3, rtol=1e-6)
+
+
+def test_assign_aware_forward_accumulator_closes_cleanly_on_an_exception():
+    from assigntape import _versions
+
+    w, lr = tf.Variable(2.0), tf.Variable(0.1)
+    with pytest.raises(ZeroDivisionError):
+        with assigntape.ForwardAccumulator(lr, tf.constant(1.0)):
+            w.assign_sub(lr * w)
+            1 / 0
+    assert not _versions.any_scopes() and not _versions.closed_tapes
+    assert w.handle is _versions.canonical_handle(w)
+    np.testing.assert_allclose(w.numpy(), 1.8)
+
+
+def test_assign_aware_forward_accumulator_docstring():
+    import doctest
+
+    from assigntape import _forward
+
+    failures, tried = doctest.testmod(_forward, globs={"tf": tf, "ForwardAccumulator": assigntape.ForwardAccumulator})
+    assert tried > 0 and failures == 0
 
 
 _CHILD = """

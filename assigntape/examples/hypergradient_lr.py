@@ -14,6 +14,17 @@ the weights' latest version) and the hypergradient d loss / d lr, which is
         loss = loss_fn(y, model(x))
     *grads, d_lr = tape.gradient(loss, [tape.versions(w)[-1] for w in weights] + [lr])
 
+``--hypergradient forward`` computes ``d_lr`` in forward mode instead, with
+``assigntape.ForwardAccumulator`` (the weight gradient then comes from a plain
+tape inside it); the two agree to rounding::
+
+    with ForwardAccumulator(lr, tf.constant(1.0)) as acc:
+        sgd.apply_gradients(zip(previous_grads, weights))
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x))
+        grads = tape.gradient(loss, weights)
+    d_lr = acc.jvp(loss)
+
 The learning rate then moves against the hypergradient, with the normalised
 multiplicative rule of the paper, ``lr *= 1 - beta * d_lr / (|grad_t| |grad_{t-1}|)``
 (``--rule additive`` gives ``lr -= beta * d_lr``). Started 10x too small or 10x
@@ -36,7 +47,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from assigntape import AssignAwareTape  # noqa: E402
+from assigntape import AssignAwareTape, ForwardAccumulator  # noqa: E402
 from assigntape.examples import _report  # noqa: E402
 
 __all__ = ["Config", "hypergradient_step", "run", "main"]
@@ -49,6 +60,7 @@ class Config:
     good_lr: float = 1.0  # about the best fixed rate for this problem (see the README)
     beta: float = 0.05  # the hypergradient step size
     rule: str = "multiplicative"  # or "additive"
+    hypergradient: str = "reverse"  # or "forward" (ForwardAccumulator)
     seed: int = 0
     compiled: bool = True
     plot: Optional[str] = "hypergradient_lr.png"
@@ -76,9 +88,19 @@ def _model(seed: int) -> keras.Model:
 
 
 def hypergradient_step(
-    model: keras.Model, optimizer: keras.optimizers.Optimizer, lr: tf.Variable, previous: Sequence[Any], x: Any, y: Any
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer,
+    lr: tf.Variable,
+    previous: Sequence[Any],
+    x: Any,
+    y: Any,
+    mode: str = "reverse",
 ) -> Tuple[Any, List[Any], Any]:
     """Applies ``previous`` with ``optimizer``, then evaluates the loss on (x, y).
+
+    Args:
+      mode: ``"reverse"`` (one ``AssignAwareTape.gradient`` call) or
+        ``"forward"`` (``d_lr`` as the jvp of a ``ForwardAccumulator``).
 
     Returns:
       ``(loss, grads, d_lr)``: the loss after the step, its gradient with respect
@@ -86,6 +108,13 @@ def hypergradient_step(
       rate the step used.
     """
     weights = model.trainable_variables
+    if mode == "forward":
+        with ForwardAccumulator(lr, tf.ones_like(lr)) as acc:
+            optimizer.apply_gradients(zip(previous, weights))
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+            grads = tape.gradient(loss, weights)
+        return loss, grads, acc.jvp(loss)
     with AssignAwareTape() as tape:
         optimizer.apply_gradients(zip(previous, weights))
         logits = model(x)
@@ -106,7 +135,9 @@ class _Run:
         self.step = tf.function(self._step) if config.compiled else self._step
 
     def _step(self, previous: List[Any], x: Any, y: Any) -> Tuple[Any, List[Any]]:
-        loss, grads, d_lr = hypergradient_step(self.model, self.optimizer, self.lr, previous, x, y)
+        loss, grads, d_lr = hypergradient_step(
+            self.model, self.optimizer, self.lr, previous, x, y, self.config.hypergradient
+        )
         if self.adapt:
             if self.config.rule == "additive":
                 self.lr.assign_sub(self.config.beta * d_lr)
@@ -124,6 +155,8 @@ def run(config: Config) -> Dict[str, Any]:
     """
     if config.rule not in ("multiplicative", "additive"):
         raise ValueError(f"rule must be 'multiplicative' or 'additive', got {config.rule!r}")
+    if config.hypergradient not in ("reverse", "forward"):
+        raise ValueError(f"hypergradient must be 'reverse' or 'forward', got {config.hypergradient!r}")
     start = time.perf_counter()
     x_all, y_all = _data(config.seed)
     starts = {"10x too small": config.good_lr / 10, "good": config.good_lr, "10x too large": config.good_lr * 10}
@@ -186,7 +219,7 @@ def report(results: Dict[str, Any]) -> str:
     ]
     for label, r in results["runs"].items():
         lines.append(f"{label:<40}{np.mean(r['loss'][-tail:]):>12.4f}{r['lr'][-1]:>12.4f}")
-    lines.append(f"{config['rule']} rule, beta = {config['beta']}")
+    lines.append(f"{config['rule']} rule, beta = {config['beta']}, {config['hypergradient']}-mode hypergradient")
     return "\n".join(lines + _report.footer(results))
 
 
@@ -196,11 +229,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--beta", type=float, default=defaults.beta)
     parser.add_argument("--rule", choices=["multiplicative", "additive"], default=defaults.rule)
+    parser.add_argument(
+        "--hypergradient", choices=["reverse", "forward"], default=defaults.hypergradient,
+        help="reverse: AssignAwareTape.gradient; forward: assigntape.ForwardAccumulator",
+    )
     args = parser.parse_args(argv)
     config = Config(
         steps=args.steps,
         beta=args.beta,
         rule=args.rule,
+        hypergradient=args.hypergradient,
         compiled=not args.eager,
         plot=args.plot or None,
         progress=not args.quiet,

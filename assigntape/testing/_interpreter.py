@@ -171,18 +171,22 @@ class ControlFlowStore(VariableStore):
         self._inside(lambda: VariableStore.write_part(self, i, kind, rows, value))
 
 
+def _rows(old: Any, idx: Any) -> Any:
+    # tf.gather, not tf.gather_nd: TensorFlow's forward mode fails on
+    # gather_nd, and the rewrite is the oracle for jvps too.
+    return tf.gather(old, [i[0] for i in idx])
+
+
 def _rows_rewrite(combine: Callable[[Any, Any], Any]) -> Callable[[Any, Any, Any], Any]:
     def rewrite(old: Any, idx: Any, u: Any) -> Any:
-        rows = tf.gather_nd(old, idx)
+        rows = _rows(old, idx)
         return tf.tensor_scatter_nd_update(old, idx, combine(rows, tf.broadcast_to(u, tf.shape(rows))))
 
     return rewrite
 
 
 def _additive(sign: float) -> Callable[[Any, Any, Any], Any]:
-    return lambda old, idx, u: tf.tensor_scatter_nd_add(
-        old, idx, sign * tf.broadcast_to(u, tf.shape(tf.gather_nd(old, idx)))
-    )
+    return lambda old, idx, u: tf.tensor_scatter_nd_add(old, idx, sign * tf.broadcast_to(u, tf.shape(_rows(old, idx))))
 
 
 PARTIAL_REWRITES: Dict[str, Callable[[Any, Any, Any], Any]] = {

@@ -1,0 +1,96 @@
+"""``ForwardAccumulator``: forward mode through variable writes, with no
+reverse history.
+
+A ``tf.autodiff.ForwardAccumulator`` around an ``AssignAwareTape`` already
+carries tangents across writes, but the tape keeps every version for its
+reverse pass, and the accumulator keeps each version's tangent as long as the
+version lives: memory grows with the number of writes. Forward-mode
+hyperparameter gradients over long unrolls need neither. Here an internal
+tape makes the versions (so reads see them and the writes carry tangents)
+without watching anything, so that nothing is recorded for a reverse pass, and
+without keeping any version but the current one, so that the accumulator drops
+each earlier tangent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from tensorflow.python.eager import forwardprop
+from tensorflow.python.util import nest
+
+from assigntape import _versions
+from assigntape._tape import AssignAwareTape
+
+__all__ = ["ForwardAccumulator"]
+
+
+class _ForwardOnlyTape(AssignAwareTape):
+    """Makes versions and watches nothing; keeps no history of them."""
+
+    _forward_only = True
+
+    def _note_write(self, var: Any, old: Any, new: Any, write: Any) -> None:
+        # Nothing asks this tape for gradients or versions: keep nothing, so
+        # that every version but the current one can go.
+        pass
+
+
+def _unwrapped(primal: Any) -> Any:
+    var = _versions.resolve(primal)
+    return primal if var is None else var
+
+
+class ForwardAccumulator(forwardprop.ForwardAccumulator):
+    """A ``tf.autodiff.ForwardAccumulator`` through which tangents flow across
+    variable writes, keeping no reverse history.
+
+    While it is open, every write to a floating-point variable makes a new
+    version, as under ``AssignAwareTape``, and the version's tangent is the
+    written value's in the functional rewrite (for ``assign_sub``, the old
+    version's tangent minus the delta's). Nothing is recorded for a reverse
+    pass and only each variable's current version is kept, so memory does not
+    grow with the number of writes: the cheap way to differentiate a final
+    loss with respect to a few hyperparameters through a long unroll of
+    optimizer steps. A variable primal means its version when the
+    accumulator was created.
+
+    Args:
+      primals: As for ``tf.autodiff.ForwardAccumulator``: tensors or variables.
+      tangents: Their tangents, in the same structure.
+
+    Example:
+
+    >>> w, lr = tf.Variable(2.0), tf.Variable(0.1)
+    >>> with ForwardAccumulator(lr, tf.constant(1.0)) as acc:
+    ...     for _ in range(3):
+    ...         _ = w.assign_sub(lr * 2.0 * w)  # gradient descent on w**2
+    ...     loss = w ** 2
+    >>> round(float(acc.jvp(loss)), 3)  # 2 w3 * w0 * 3 (1 - 2 lr)^2 * (-2)
+    -15.729
+    """
+
+    def __init__(self, primals: Any, tangents: Any) -> None:
+        self._writes: Optional[_ForwardOnlyTape] = None
+        self._ready = False
+        # A wrapped variable (a Keras 3 one, ...) is the variable it wraps
+        # (TensorFlow's accumulator reads a dtype Keras 3 gives as a string).
+        primals = nest.map_structure(_unwrapped, primals)
+        super().__init__(primals, tangents)  # enters and exits itself to watch
+        self._ready = True
+
+    def __enter__(self) -> "ForwardAccumulator":
+        super().__enter__()
+        if self._ready:
+            self._writes = _ForwardOnlyTape(watch_accessed_variables=False)
+            self._writes.__enter__()
+        return self
+
+    def __exit__(self, typ: Any, value: Any, traceback: Any) -> None:
+        writes, self._writes = self._writes, None
+        try:
+            if writes is not None:
+                writes.__exit__(typ, value, traceback)
+                writes._end_lease()  # never entered again: no need to follow writes
+        finally:
+            super().__exit__(typ, value, traceback)
