@@ -247,6 +247,34 @@ def test_accumulator_reads_after_the_aware_tape_inside_it_closed(mode, primal):
     assert float(run(mode, program)) == (24.0 if primal == "x" else 36.0)
 
 
+@modes
+@pytest.mark.parametrize("write", ["assign_add_constant", "read_then_assign_add_constant", "assign_constant"])
+def test_jvp_by_the_written_variable_itself(mode, write):
+    """The accumulator's primal is the variable the tape writes, with a value
+    that carries no tangent of its own: the tangent comes through the old
+    version (in a function, the handle the function captured)."""
+    v = tf.Variable(2.0)
+
+    def program():
+        v.assign(2.0)
+        with tf.autodiff.ForwardAccumulator(v, tf.constant(1.0)) as acc:
+            with AssignAwareTape():
+                if write == "assign_constant":
+                    v.assign(0.5)
+                else:
+                    if write.startswith("read"):
+                        _ = v * 1.0
+                    v.assign_add(0.5)
+            y = v * 3.0
+        return acc.jvp(y)
+
+    jvp = run(mode, program)
+    if write == "assign_constant":
+        assert jvp is None or float(jvp) == 0.0  # overwritten: no tangent
+    else:
+        assert float(jvp) == 3.0
+
+
 def _sgd_hypergradient_problem():
     w = tf.Variable([0.5, -1.0, 2.0], dtype=tf.float64)
     lr = tf.Variable(0.05, dtype=tf.float64)
