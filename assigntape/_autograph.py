@@ -11,7 +11,7 @@ so it asks to be called as it is, like TensorFlow's own modules.
 
 from __future__ import annotations
 
-from tensorflow.python.autograph.core import config, config_lib
+from assigntape._tf import config, config_lib
 
 __all__ = ["exclude"]
 

@@ -26,20 +26,23 @@ import functools
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from tensorflow.python import pywrap_tfe
-from tensorflow.python.eager import record
-from tensorflow.python.framework import auto_control_deps, composite_tensor, ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import (
+from assigntape._tf import (
     array_ops,
+    auto_control_deps,
+    composite_tensor,
     control_flow_util,
     gen_resource_variable_ops,
     handle_data_util,
     math_ops,
+    nest,
+    ops,
+    pywrap_tfe,
+    record,
     resource_variable_ops,
     tensor_array_ops,
+    tensor_lib,
+    variable_utils,
 )
-from tensorflow.python.util import nest, variable_utils
 
 from assigntape import _fused, _rules, _versions
 from assigntape._wrapping import bind, params_of

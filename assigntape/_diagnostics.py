@@ -18,10 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optiona
 import numpy as np
 import tensorflow as tf
 import wrapt
-from tensorflow.python import pywrap_tfe
-from tensorflow.python.eager import context
-from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
-from tensorflow.python.util import nest
+from assigntape._tf import context, nest, pywrap_tfe, UnconnectedGradients
 
 from assigntape import _versions
 from assigntape._versions import WriteRecord

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from tensorflow.python.eager import forwardprop
-from tensorflow.python.util import nest
+from assigntape._tf import forwardprop, nest
 
 from assigntape import _versions
 from assigntape._tape import AssignAwareTape

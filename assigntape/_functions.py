@@ -13,8 +13,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
-from tensorflow.python.framework import dtypes
-from tensorflow.python.ops import resource_variable_ops
+from assigntape._tf import dtypes, resource_variable_ops
 
 from assigntape import _rules, _versions
 from assigntape._errors import ControlFlowWriteError

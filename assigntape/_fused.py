@@ -37,9 +37,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
-from tensorflow.python.eager import context
-from tensorflow.python.framework import dtypes
-from tensorflow.python.ops import array_ops, check_ops, gen_array_ops, math_ops
+from assigntape._tf import array_ops, check_ops, context, dtypes, gen_array_ops, math_ops
 
 from assigntape._errors import DuplicateIndicesError
 

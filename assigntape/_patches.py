@@ -36,25 +36,30 @@ import threading
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import tensorflow as tf
-from tensorflow.python import pywrap_tfe
-from tensorflow.python.distribute import distribute_lib, distribute_utils
-from tensorflow.python.eager import backprop, forwardprop, record
-from tensorflow.python.eager import tape as eager_tape
-from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
-from tensorflow.python.framework import dtypes, indexed_slices, ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.tpu.ops import tpu_ops
-from tensorflow.python.training import optimizer as v1_optimizer
-from tensorflow.python.ops import (
+from assigntape._tf import (
     array_ops,
+    backprop,
+    ConcreteFunction,
     cond_v2,
+    distribute_lib,
+    distribute_utils,
+    dtypes,
+    eager_tape,
+    forwardprop,
     gen_array_ops,
     gen_resource_variable_ops,
     gen_state_ops,
     gen_training_ops,
+    indexed_slices,
+    ops,
+    pywrap_tfe,
+    record,
     resource_variable_ops,
     standard_ops,
     state_ops,
+    tensor_lib,
+    tpu_ops,
+    v1_optimizer,
     while_v2,
 )
 

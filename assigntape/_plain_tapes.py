@@ -29,10 +29,7 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
-from tensorflow.python.eager import forwardprop
-from tensorflow.python.ops import gen_resource_variable_ops
-from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
-from tensorflow.python.util import nest
+from assigntape._tf import forwardprop, gen_resource_variable_ops, nest, UnconnectedGradients
 
 from assigntape import _versions
 

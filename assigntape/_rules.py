@@ -24,16 +24,19 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
-from tensorflow.python.eager import context, record
-from tensorflow.python.framework import indexed_slices, ops, tensor_util
-from tensorflow.python.ops import (
+from assigntape._tf import (
     array_ops,
     check_ops,
+    context,
     control_flow_util,
     gen_array_ops,
     gen_resource_variable_ops,
+    indexed_slices,
     math_ops,
+    ops,
+    record,
     resource_variable_ops,
+    tensor_util,
 )
 
 from assigntape import _fused

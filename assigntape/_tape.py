@@ -7,9 +7,7 @@ import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
-from tensorflow.python.ops import array_ops, gen_resource_variable_ops
-from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
-from tensorflow.python.util import nest
+from assigntape._tf import array_ops, gen_resource_variable_ops, nest, UnconnectedGradients
 
 from assigntape import _diagnostics, _patches, _plain_tapes, _versions
 from assigntape._errors import ControlFlowWriteError, NotAVariableError

@@ -22,12 +22,19 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
-from tensorflow.python import pywrap_tfe
-from tensorflow.python.eager import context, record
-from tensorflow.python.framework import dtypes, ops, tensor as tensor_lib
-from tensorflow.python.ops import array_ops, gen_resource_variable_ops, resource_variable_ops
-from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable as _BASE_VARIABLE
-from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph as _CONTROL_FLOW_GRAPH
+from assigntape._tf import (
+    array_ops,
+    BaseResourceVariable as _BASE_VARIABLE,
+    context,
+    ControlFlowFuncGraph as _CONTROL_FLOW_GRAPH,
+    dtypes,
+    gen_resource_variable_ops,
+    ops,
+    pywrap_tfe,
+    record,
+    resource_variable_ops,
+    tensor_lib,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from assigntape._tape import AssignAwareTape
@@ -327,7 +334,7 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
         tape._pop_tape()
     try:
         # As a read would: watched, so that the tapes opened since record it.
-        from tensorflow.python.ops import resource_variable_ops
+        from assigntape._tf import resource_variable_ops
 
         resource_variable_ops.variable_accessed(var)
         record.record_operation("Identity", [new], [own], lambda g: [g], forward_function=lambda t: [t])
@@ -349,7 +356,7 @@ def zeros_like_source(source: Any, handle: Any, shape: Any = None) -> Any:
     """Zeros for a gradient ``source``: a variable (``handle`` its version),
     whose shape is the variable's, or ``shape`` where given (a version's shape
     when the variable's is not fully defined), or else the resource's now."""
-    from tensorflow.python.ops import array_ops
+    from assigntape._tf import array_ops
 
     var = resolve(source)
     if var is None:
@@ -361,7 +368,7 @@ def zeros_like_source(source: Any, handle: Any, shape: Any = None) -> Any:
 
 def dynamic_shape(handle: Any) -> Any:
     """The shape of the variable behind ``handle`` now, as a tensor."""
-    from tensorflow.python.ops import gen_resource_variable_ops
+    from assigntape._tf import gen_resource_variable_ops
 
     with record.stop_recording():
         return gen_resource_variable_ops.variable_shape(handle)

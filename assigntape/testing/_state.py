@@ -19,8 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import record
-from tensorflow.python.ops import gen_resource_variable_ops
+from assigntape._tf import gen_resource_variable_ops, record
 
 from assigntape import _versions
 from assigntape._tape import AssignAwareTape

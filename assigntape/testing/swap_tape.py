@@ -26,7 +26,7 @@ import sys
 import threading
 from typing import Any, List, Tuple
 
-from tensorflow.python.eager import backprop
+from assigntape._tf import backprop
 
 from assigntape._tape import AssignAwareTape
 

@@ -1,0 +1,136 @@
+"""TensorFlow's internals, behind one fence.
+
+Every ``tensorflow.python`` module the library uses is imported here, and
+every private TensorFlow attribute it touches is listed here with what it is
+for. When a TensorFlow release moves one of them, ``import assigntape`` fails
+at once with one ``ImportError`` naming what is missing and the supported
+versions, instead of failing deep inside a user's training step.
+
+The other modules import TensorFlow's internals from here only
+(``from assigntape._tf import ops, record``); ``tests/test_tf_fence.py``
+checks that.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import tensorflow as tf
+
+# The TensorFlow versions this release is tested on (setup.cfg, tox, CI).
+SUPPORTED = "2.16 to 2.21"
+
+try:
+    # The eager C API: the tape set (is recording stopped?) and jvp packing.
+    from tensorflow.python import pywrap_tfe
+    # AutoGraph's allow-list, so that our wrappers are not converted.
+    from tensorflow.python.autograph.core import config, config_lib
+    # Strategies' update(), and the container a distributed component belongs to.
+    from tensorflow.python.distribute import distribute_lib, distribute_utils
+    # GradientTape, ForwardAccumulator, eager context, recording ops on tapes,
+    # and the hook every variable read calls.
+    from tensorflow.python.eager import backprop, context, forwardprop, record
+    from tensorflow.python.eager import tape as eager_tape
+    # What a tf.function call runs (captures are mapped to versions there).
+    from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
+    # Graph building: ops, dtypes, tensors, automatic control dependencies.
+    from tensorflow.python.framework import (
+        auto_control_deps,
+        composite_tensor,
+        dtypes,
+        indexed_slices,
+        ops,
+        tensor_util,
+    )
+    from tensorflow.python.framework import tensor as tensor_lib
+    # Ops, the generated op wrappers that write variables, and control flow v2.
+    from tensorflow.python.ops import (
+        array_ops,
+        check_ops,
+        cond_v2,
+        control_flow_util,
+        gen_array_ops,
+        gen_resource_variable_ops,
+        gen_state_ops,
+        gen_training_ops,
+        handle_data_util,
+        math_ops,
+        resource_variable_ops,
+        standard_ops,
+        state_ops,
+        tensor_array_ops,
+        while_v2,
+    )
+    # The graph class of a tf.cond branch or while body.
+    from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
+    from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+    # A module that star-imports generated write ops (gen_tpu_ops).
+    from tensorflow.python.tpu.ops import tpu_ops
+    # tf.compat.v1 optimizers, whose slots are keyed by variable.
+    from tensorflow.python.training import optimizer as v1_optimizer
+    from tensorflow.python.util import nest, variable_utils
+except ImportError as error:  # pragma: no cover - only on an unsupported TensorFlow
+    raise ImportError(
+        f"assigntape supports TensorFlow {SUPPORTED}; TensorFlow {tf.__version__} has no "
+        f"{getattr(error, 'name', None) or error}. Install a supported version "
+        "(pip install 'tensorflow>=2.16,<2.22')."
+    ) from error
+
+BaseResourceVariable = resource_variable_ops.BaseResourceVariable
+
+# Private (or unexported) attributes on classes and modules, each with its
+# use; checked at import. Instance attributes used but not checkable without
+# running TensorFlow: a variable's ``_handle`` (the descriptor's storage) and
+# ``_unique_id`` (the key of its versions); a tape's ``_tape`` and
+# ``_recording``; an EagerTensor's ``_handle_data``; the wrapped variable of
+# Keras 3's ``Variable`` (``_value``), tf_keras' ``AutoCastVariable``
+# (``_variable``) and ``AggregatingVariable`` (``_v``); a TFModuleWrapper's
+# ``_tfmw_wrapped_module`` and ``_fastdict_insert`` (tf.compat.v1.raw_ops).
+PRIVATE: List[Tuple[Any, str, str]] = [
+    (BaseResourceVariable, "handle", "every read path gets the variable's handle here"),
+    (ops.EagerTensor, "_copy_nograd", "a new version of an eager handle without an op"),
+    (ops._EagerTensorBase, "_numpy", "explain() notes values leaving TensorFlow"),
+    (ConcreteFunction, "_call_flat", "a tf.function call from an eager tape"),
+    (cond_v2, "_build_cond", "writes in tf.cond branches"),
+    (cond_v2, "cond_v2", "writes in tf.cond branches"),
+    (while_v2, "while_loop", "writes in graph loops"),
+    (backprop.GradientTape, "_push_tape", "pausing one tape while recording on others"),
+    (backprop.GradientTape, "_pop_tape", "pausing one tape while recording on others"),
+    (backprop.GradientTape, "_ensure_recording", "reading a version on a plain tape"),
+    (eager_tape, "variable_accessed", "refusing reads of variables written unseen"),
+    (v1_optimizer, "_var_key", "tf.compat.v1 slots found again after a write"),
+    (distribute_lib.StrategyExtendedV2, "update", "cross-replica updates"),
+    (distribute_utils, "value_container", "the distributed variable of a component"),
+    (auto_control_deps, "register_acd_resource_resolver", "ordering ops on versions in bodies"),
+    (handle_data_util, "copy_handle_data", "versions keep the variable's shape and dtype"),
+    (resource_variable_ops, "get_eager_safe_handle_data", "the dtype behind a bare handle"),
+    (pywrap_tfe, "TFE_Py_TapeSetIsStopped", "whether a write is recorded"),
+    (pywrap_tfe, "TFE_Py_PackJVPs", "whether a write's inputs carry tangents"),
+    (record, "record_operation_backprop_only", "a write's version on reverse tapes"),
+    (record, "record_operation_forwardprop_only", "a write's version on accumulators"),
+    (control_flow_util, "GraphOrParentsInXlaContext", "refusing what XLA cannot check"),
+    (variable_utils, "convert_variables_to_tensors", "cond and loop outputs that are variables"),
+    (config_lib, "DoNotConvert", "AutoGraph leaves our wrappers alone"),
+]
+
+
+def _check() -> None:
+    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _ in PRIVATE if not hasattr(owner, name)]
+    if missing:
+        raise ImportError(
+            f"assigntape supports TensorFlow {SUPPORTED}; TensorFlow {tf.__version__} lacks "
+            f"{', '.join(missing)}. Install a supported version (pip install 'tensorflow>=2.16,<2.22')."
+        )
+
+
+_check()
+
+__all__ = [
+    "SUPPORTED", "PRIVATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph",
+    "UnconnectedGradients", "array_ops", "auto_control_deps", "backprop", "check_ops", "composite_tensor",
+    "cond_v2", "config", "config_lib", "context", "control_flow_util", "distribute_lib", "distribute_utils",
+    "dtypes", "eager_tape", "forwardprop", "gen_array_ops", "gen_resource_variable_ops", "gen_state_ops",
+    "gen_training_ops", "handle_data_util", "indexed_slices", "math_ops", "nest", "ops", "pywrap_tfe",
+    "record", "resource_variable_ops", "standard_ops", "state_ops", "tensor_array_ops", "tensor_lib",
+    "tensor_util", "tpu_ops", "v1_optimizer", "variable_utils", "while_v2",
+]
