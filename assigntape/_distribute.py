@@ -1,11 +1,17 @@
 """tf.distribute: cross-replica updates of variables a replica's tape tracks.
 
-Under ``MirroredStrategy`` each replica runs in a thread of its own, with its own
-versions. A write that becomes a cross-replica update (``merge_call``: a
+Under ``MirroredStrategy`` each replica runs in a thread of its own, with its
+own versions. A Keras optimizer step in replica context all-reduces the
+gradients there (recorded on each replica's tape), then updates every
+component of every variable in a cross-replica update (``merge_call``), in
+the main thread while the replicas wait. Each component's update is run as
+its replica (``_versions.acting_for``): a version on that replica's tapes,
+whose gradient flows into that replica's arguments. The per-replica
+meta-gradients then sum to the single-device gradient of the summed
+objective. Other cross-replica updates (aggregated writes: a
 ``MirroredVariable`` with an aggregation other than NONE written in replica
-context, or an optimizer step there) is applied in another thread, where the
-replica's versions are not visible. It is refused rather than left to give a
-wrong gradient.
+context) reduce their values outside every tape and are refused rather than
+left to give a wrong gradient.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from typing import Any, Callable
 
 from assigntape import _versions
 from assigntape._errors import UntrackedWriteError
+from assigntape._tf import distribute_lib
+from assigntape._wrapping import bind
 
 __all__ = ["distributed_update"]
 
@@ -21,26 +29,48 @@ __all__ = ["distributed_update"]
 def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``StrategyExtendedV2.update``: a cross-replica write of a distributed variable.
 
-    It runs in cross-replica context (for MirroredStrategy, outside the replica
-    threads), so a replica's tape cannot see it: reads after it would credit
-    the version from before. Refuse it while a replica's tape is open.
+    It runs in cross-replica context (for MirroredStrategy, in the main thread,
+    while the replica threads wait in ``merge_call``), where a replica's tape
+    cannot see it. An update of an ``aggregation=NONE`` variable, which is how
+    a Keras optimizer applies the gradients it all-reduced in replica context,
+    is run component by component as its replica (``_versions.acting_for``):
+    each component's write is a version on that replica's tapes, its value
+    computed from that replica's (recorded) arguments. Any other update is
+    refused while a replica's tape is open.
     """
-    var = args[0] if args else kwargs.get("var")
+    arguments = bind(("var", "fn", "args", "kwargs", "group"), args, kwargs)
+    var = arguments["var"]
+    if not (_versions.differentiable(var) and _versions.open_elsewhere()):
+        return wrapped(*args, **kwargs)
+    replicas = _versions.replica_scopes()
+    components = getattr(var, "values", ())
+    aggregation = getattr(var, "aggregation", None)
+    if (
+        getattr(aggregation, "name", None) == "NONE"
+        and components
+        and sorted(replicas) == list(range(len(components)))
+    ):
+        fn = arguments["fn"]
+
+        def as_its_replica(component: Any, *a: Any, **k: Any) -> Any:
+            replica = distribute_lib.get_update_replica_id()
+            with _versions.acting_for(replicas[replica], list(replicas.values())):
+                return fn(component, *a, **k)
+
+        arguments["fn"] = as_its_replica
+        return wrapped(**arguments)
     # Refused whenever a tape is open in a replica, whether it has read the
     # variable yet or not: one that reads it later would read the updated value
     # and credit the version from before the update.
-    if _versions.differentiable(var) and _versions.open_elsewhere():
-        aggregation = getattr(var, "aggregation", None)
-        raise UntrackedWriteError(
-            f"A cross-replica update of variable {var.name!r} (aggregation "
-            f"{getattr(aggregation, 'name', aggregation)}), while an AssignAwareTape is open "
-            "in a replica: it is applied outside the replica's sight (merge_call), "
-            "so reads after it would credit the version from before, a silently wrong "
-            "gradient. Such updates come from writes in replica context to a "
-            "MirroredVariable whose aggregation is not NONE, and from optimizer steps "
-            "(apply_gradients) in replica context. Inside the tape, write per replica "
-            "instead: aggregation=NONE (each replica writes its own component) or "
-            "synchronization=ON_READ, with assign / assign_sub; aggregate the "
-            "meta-gradients after the tape."
-        )
-    return wrapped(*args, **kwargs)
+    raise UntrackedWriteError(
+        f"A cross-replica update of variable {var.name!r} (aggregation "
+        f"{getattr(aggregation, 'name', aggregation)}), while an AssignAwareTape is open "
+        "in a replica: its value is aggregated outside the replicas' tapes (merge_call), "
+        "so reads after it would credit the version from before, a silently wrong "
+        "gradient. Such updates come from writes in replica context to a "
+        "MirroredVariable whose aggregation is not NONE. Inside the tape, write per "
+        "replica instead: aggregation=NONE (each replica writes its own component) or "
+        "synchronization=ON_READ, with assign / assign_sub, and all-reduce the values "
+        "yourself (tf.distribute.get_replica_context().all_reduce); Keras optimizer "
+        "steps in replica context work."
+    )

@@ -102,6 +102,7 @@ def _tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Ca
         branch = _versions.check_writable_here(scope, var, op_name)
         for name in rule.value_args:
             arguments[name] = ops.convert_to_tensor(arguments[name], dtype=var.dtype)
+        _versions.refuse_foreign_inputs(var, op_name, [arguments[name] for name in rule.value_args])
         if branch is not None:
             return _control_flow.branch_write(op_name, rule, wrapped, arguments, branch, var)
         around = _versions.branch_around(scope)
@@ -185,6 +186,7 @@ def _fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> 
             # to refuse with TensorFlow's own error.
             if name in arguments and not isinstance(arguments[name], tensor_lib.Tensor):
                 arguments[name] = ops.convert_to_tensor(arguments[name], dtype=first.dtype)
+        _versions.refuse_foreign_inputs(first, op_name, [arguments.get(name) for name in kernel.inputs])
         checks: List[Any] = []
         if kernel.sparse:
             arguments["indices"] = ops.convert_to_tensor(arguments["indices"])

@@ -85,7 +85,10 @@ BaseResourceVariable = resource_variable_ops.BaseResourceVariable
 # ``_recording``; an EagerTensor's ``_handle_data``; the wrapped variable of
 # Keras 3's ``Variable`` (``_value``), tf_keras' ``AutoCastVariable``
 # (``_variable``) and ``AggregatingVariable`` (``_v``); a TFModuleWrapper's
-# ``_tfmw_wrapped_module`` and ``_fastdict_insert`` (tf.compat.v1.raw_ops).
+# ``_tfmw_wrapped_module`` and ``_fastdict_insert`` (tf.compat.v1.raw_ops);
+# MirroredStrategy's replica threads' ``replica_id``, ``done`` and
+# ``should_run`` (mirrored_run._MirroredReplicaThread: which replica, paused in
+# merge_call, a cross-replica update is for).
 PRIVATE: List[Tuple[Any, str, str]] = [
     (BaseResourceVariable, "handle", "every read path gets the variable's handle here"),
     (ops.EagerTensor, "_copy_nograd", "a new version of an eager handle without an op"),
@@ -100,6 +103,10 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (eager_tape, "variable_accessed", "refusing reads of variables written unseen"),
     (v1_optimizer, "_var_key", "tf.compat.v1 slots found again after a write"),
     (distribute_lib.StrategyExtendedV2, "update", "cross-replica updates"),
+    (distribute_lib, "get_update_replica_id", "the replica a component's update is for"),
+    (eager_tape, "push_tape", "recording a replica's update on its tapes, in merge_call"),
+    (eager_tape, "pop_tape", "recording a replica's update on its tapes, in merge_call"),
+    (pywrap_tfe, "TFE_Py_TapeSetShouldRecordBackprop", "whether a replica's tapes watch a value"),
     (distribute_utils, "value_container", "the distributed variable of a component"),
     (auto_control_deps, "register_acd_resource_resolver", "ordering ops on versions in bodies"),
     (handle_data_util, "copy_handle_data", "versions keep the variable's shape and dtype"),

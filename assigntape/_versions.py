@@ -17,13 +17,15 @@ every read of every kind goes to the current version.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from assigntape._tf import (
     array_ops,
+    eager_tape,
     BaseResourceVariable as _BASE_VARIABLE,
     context,
     ControlFlowFuncGraph as _CONTROL_FLOW_GRAPH,
@@ -227,8 +229,108 @@ def any_scopes() -> bool:
 
 def _other_threads() -> List[Scope]:
     me = threading.get_ident()
+    # Acting for a replica in merge_call: the replicas are all paused there,
+    # and each touches its own components (though it may have looked at
+    # another's, for its device).
+    merging = getattr(_tls, "merging", ())
     with _all_lock:
-        return [scope for scope in _all_scopes if scope.thread != me]
+        return [scope for scope in _all_scopes if scope.thread != me and scope not in merging]
+
+
+def replica_scopes() -> Dict[int, Scope]:
+    """The scopes open in ``MirroredStrategy`` replica threads, in the graph
+    being built here (or eagerly), by the replica's local id: the replicas
+    whose ``merge_call`` is running here, in the main thread."""
+    key = current_key()
+    threads = {t.ident: t for t in threading.enumerate()}
+    found: Dict[int, Scope] = {}
+    with _all_lock:
+        scopes = list(_all_scopes)
+    for scope in scopes:
+        thread = threads.get(scope.thread)
+        replica = getattr(thread, "replica_id", None)
+        # A replica thread (mirrored_run._MirroredReplicaThread) paused in
+        # merge_call: not done, and waiting for its should_run event.
+        paused = not getattr(thread, "done", True) and not getattr(thread, "should_run", _SET).is_set()
+        if scope.key is key and isinstance(replica, int) and paused and scope.tapes:
+            found[replica] = scope
+    return found
+
+
+class _Set:
+    @staticmethod
+    def is_set() -> bool:
+        return True
+
+
+_SET = _Set()
+
+
+def _recording_tapes(scope: Scope) -> List[Any]:
+    return [t._tape for t in scope.tapes if t._recording and t._tape is not None]
+
+
+def refuse_foreign_inputs(var: Any, op_name: str, tensors: Sequence[Any]) -> None:
+    """Acting for a replica in ``merge_call`` (``acting_for``): refuses a
+    write whose value comes from another replica's tape and not this one's
+    (a tf_keras legacy optimizer applies every replica's update with the
+    coefficients the first replica computed), whose gradient this replica's
+    tape could not follow."""
+    merging = getattr(_tls, "merging", ())
+    if not merging:
+        return
+    acting = _tls.scopes[next(iter(_tls.scopes))]
+    tensors = [t for t in tensors if isinstance(t, tensor_lib.Tensor)]
+    mine = _recording_tapes(acting)
+    unseen = [t for t in tensors if not pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop([t])]
+    if not unseen:
+        return
+    for tape in reversed(mine):
+        eager_tape.pop_tape(tape)
+    try:
+        for other in merging:
+            if other is acting:
+                continue
+            theirs = _recording_tapes(other)
+            for tape in theirs:
+                eager_tape.push_tape(tape)
+            try:
+                foreign = pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop(unseen)
+            finally:
+                for tape in reversed(theirs):
+                    eager_tape.pop_tape(tape)
+            if foreign:
+                from assigntape._errors import UntrackedWriteError
+
+                raise UntrackedWriteError(
+                    f"A cross-replica update of variable {var.name!r} by {op_name} uses a value "
+                    "computed by another replica (not this one), while AssignAwareTapes are open "
+                    "in the replicas: this replica's tape cannot follow its gradient, a silently "
+                    "wrong gradient. tf_keras legacy optimizers apply every replica's update with "
+                    "the first replica's coefficients; use a Keras 3 optimizer, or step each "
+                    "replica's own components (aggregation=NONE variables, assign_sub) inside the tape."
+                )
+    finally:
+        for tape in mine:
+            eager_tape.push_tape(tape)
+
+
+@contextlib.contextmanager
+def acting_for(scope: Scope, merging: Sequence[Scope]) -> Iterator[None]:
+    """Runs the block in this thread as if in ``scope``'s (a replica thread
+    paused in ``merge_call``, with the others of ``merging``): its versions
+    are served and advanced, and its recording tapes record the block's ops."""
+    saved = getattr(_tls, "scopes", None), getattr(_tls, "merging", ())
+    _tls.scopes, _tls.merging = {scope.key: scope}, tuple(merging)
+    recording = _recording_tapes(scope)
+    for tape in recording:
+        eager_tape.push_tape(tape)
+    try:
+        yield
+    finally:
+        for tape in reversed(recording):
+            eager_tape.pop_tape(tape)
+        _tls.scopes, _tls.merging = saved
 
 
 def open_elsewhere() -> bool:

@@ -117,8 +117,9 @@ def test_multi_worker_mirrored_strategy_on_loopback():
 def test_mirrored_variable_kinds_and_aggregations():
     """Per-replica writes (ON_WRITE with aggregation NONE, and ON_READ with any
     aggregation) give each replica its single-device meta-gradients. Writes that
-    become cross-replica updates (ON_WRITE with SUM / MEAN / ONLY_FIRST_REPLICA,
-    a Keras optimizer step in replica context) are refused, never wrong."""
+    become aggregated cross-replica updates (ON_WRITE with SUM / MEAN /
+    ONLY_FIRST_REPLICA) are refused, never wrong. (Keras optimizer steps:
+    test_keras_optimizer_steps_in_replica_context.)"""
     out = _helper_output("mirrored_aggregations")
     expected = [_functional(x) for x in TASKS]
     works = ["ON_WRITE/NONE"] + [f"ON_READ/{a}" for a in ("NONE", "SUM", "MEAN", "ONLY_FIRST_REPLICA")]
@@ -128,7 +129,7 @@ def test_mirrored_variable_kinds_and_aggregations():
             _assert_replica_grads(out[case]["result"][mode]["grads"], expected, f"{case} {mode}")
     # The same step with its write in a tf.cond branch, compiled, per replica.
     _assert_replica_grads(out["cond_write_in_replica_context"]["result"], expected, "cond")
-    refused = [f"ON_WRITE/{a}" for a in ("SUM", "MEAN", "ONLY_FIRST_REPLICA")] + ["keras_optimizer_in_replica_context", "unread_aggregated_write"]
+    refused = [f"ON_WRITE/{a}" for a in ("SUM", "MEAN", "ONLY_FIRST_REPLICA")] + ["unread_aggregated_write"]
     for case in refused:
         assert out[case].get("error") == "UntrackedWriteError", (case, out[case])
         assert "cross-replica update" in out[case]["message"] and "aggregation=NONE" in out[case]["message"]
@@ -178,3 +179,32 @@ def test_compiled_writes_to_a_variable_on_another_device():
                 assert not isinstance(got, str), f"{placement} {name} {mode}: {got}"
                 np.testing.assert_allclose(got[0], grads[0], rtol=1e-5, err_msg=f"{placement} {name} {mode}")
                 np.testing.assert_allclose(got[1], grads[1], rtol=1e-5, err_msg=f"{placement} {name} {mode}")
+
+
+def test_keras_optimizer_steps_in_replica_context():
+    """A Keras optimizer's apply_gradients in replica context, inside each
+    replica's tape: the optimizer all-reduces the gradients (recorded on each
+    replica's tape) and updates every component in a cross-replica update,
+    which is a version on its own replica's tape. The replicas' meta-gradients
+    sum to the single-device meta-gradient of the summed objective, and the
+    components equal the single-device weights, step after step (slots and
+    iteration counters carried), eager and compiled. A tf_keras legacy
+    optimizer, which applies every replica's update with the first replica's
+    coefficients, is refused."""
+    out = _helper_output("mirrored_optimizers")
+    for name in ("SGD", "SGD_momentum", "Adam", "RMSprop"):
+        single = out[name]["single"]
+        assert single[0][0] != single[1][0]  # the steps differ
+        for mode in ("eager", "compiled"):
+            got = out[name][mode]
+            assert "result" in got, (name, mode, got)
+            for step, ((d_lr, d_w, w1), (s_lr, s_w, c)) in enumerate(zip(single, got["result"])):
+                label = f"{name} {mode} step {step}"
+                np.testing.assert_allclose(s_lr, d_lr, rtol=1e-5, err_msg=label)
+                np.testing.assert_allclose(s_w, d_w, rtol=1e-5, atol=1e-6, err_msg=label)
+                for component in c:
+                    np.testing.assert_allclose(component, w1, rtol=1e-6, err_msg=label)
+    for mode in ("eager", "compiled"):
+        got = out["legacy_SGD"][mode]
+        assert got.get("error") == "UntrackedWriteError", got
+        assert "computed by another replica" in got["message"]

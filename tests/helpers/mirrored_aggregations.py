@@ -1,7 +1,6 @@
 """Run in a fresh process: the MirroredStrategy step of ``mirrored_meta_step``
-for each synchronization and aggregation of the written variable, and a Keras
-optimizer step in replica context, and a write in a tf.cond branch in replica
-context. Prints one JSON line: per case, the step's
+for each synchronization and aggregation of the written variable, and a write
+in a tf.cond branch in replica context. Prints one JSON line: per case, the step's
 results or the error it raised (type and message)."""
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from assigntape import AssignAwareTape  # noqa: E402
@@ -24,27 +22,6 @@ def _outcome(fn):
         return {"result": fn()}
     except Exception as e:  # noqa: BLE001 - the test looks at what was raised
         return {"error": type(e).__name__, "message": str(e)}
-
-
-def _keras_step(strategy):
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-        optimizer = keras.optimizers.SGD(0.1)
-        optimizer.build(model.trainable_variables)
-
-    def step(x):
-        with AssignAwareTape() as tape:
-            with tf.GradientTape() as inner:
-                loss = tf.reduce_sum(model(x[None]) ** 2)
-            optimizer.apply_gradients(zip(inner.gradient(loss, model.trainable_variables), model.trainable_variables))
-            outer = tf.reduce_sum(model(x[None]) ** 2)
-        return tape.gradient(outer, model.trainable_variables[0])
-
-    xs = strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.constant(TASKS[ctx.replica_id_in_sync_group])
-    )
-    strategy.run(step, args=(xs,))
-    return "ran"
 
 
 def _unread_write(strategy):
@@ -103,7 +80,6 @@ def main() -> None:
                 aggregation=getattr(tf.VariableAggregation, aggregation),
             )
             out[f"{sync}/{aggregation}"] = _outcome(lambda: run_step(strategy, **kwargs))
-    out["keras_optimizer_in_replica_context"] = _outcome(lambda: _keras_step(strategy))
     out["unread_aggregated_write"] = _outcome(lambda: _unread_write(strategy))
     out["cond_write_in_replica_context"] = _outcome(lambda: _cond_step(strategy))
     print(json.dumps(out))

@@ -1,0 +1,119 @@
+"""Run in a fresh process (logical devices must be set before TensorFlow
+starts): a meta-step through a Keras optimizer's ``apply_gradients`` in
+replica context under MirroredStrategy on two logical CPUs, two steps in a
+row, eager and compiled; and the same two steps on one device with the
+replicas' objectives summed. Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Callable, Dict, List
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import tensorflow as tf  # noqa: E402
+
+W0 = [1.0, 2.0]
+TASKS = [[0.5, 1.5], [-1.0, 0.25]]  # one per replica
+STEPS = 2
+
+
+def optimizers(lr: Any) -> Dict[str, Callable[[], Any]]:
+    import keras
+    import tf_keras
+
+    rate = lambda: lr * 1.0  # noqa: E731 - Keras 3 takes a callable for a variable rate
+    return {
+        "SGD": lambda: keras.optimizers.SGD(learning_rate=rate),
+        "SGD_momentum": lambda: keras.optimizers.SGD(learning_rate=rate, momentum=0.9, nesterov=True),
+        "Adam": lambda: keras.optimizers.Adam(learning_rate=rate),
+        "RMSprop": lambda: keras.optimizers.RMSprop(learning_rate=rate),
+        "legacy_SGD": lambda: tf_keras.optimizers.legacy.SGD(learning_rate=rate),
+    }
+
+
+def _build(optimizer: Any, variables: List[Any]) -> None:
+    if hasattr(optimizer, "build"):
+        optimizer.build(variables)
+    else:  # tf_keras legacy
+        optimizer._create_all_weights(variables)
+
+
+def single_device(name: str) -> List[List[Any]]:
+    """Each step's [d/d lr, d/d w] of the replicas' summed objective, one device."""
+    from assigntape import AssignAwareTape
+
+    w, lr = tf.Variable(W0), tf.Variable(0.1)
+    optimizer = optimizers(lr)[name]()
+    _build(optimizer, [w])
+    out = []
+    for _ in range(STEPS):
+        with AssignAwareTape() as outer:
+            with tf.GradientTape() as inner:
+                loss = sum(tf.reduce_sum((w * tf.constant(x)) ** 2) for x in TASKS)
+            optimizer.apply_gradients([(inner.gradient(loss, w), w)])
+            val = sum(tf.reduce_sum((w * tf.constant(x) - 1.0) ** 2) for x in TASKS)
+        d_lr, d_w = outer.gradient(val, [lr, w])
+        out.append([float(d_lr), d_w.numpy().tolist(), w.numpy().tolist()])
+    return out
+
+
+def mirrored(strategy: Any, name: str, compiled: bool) -> List[List[Any]]:
+    """Each step's [sum over replicas of d/d lr, of d/d w, each component]."""
+    from assigntape import AssignAwareTape
+
+    with strategy.scope():
+        w, lr = tf.Variable(W0), tf.Variable(0.1)
+        optimizer = optimizers(lr)[name]()
+        _build(optimizer, [w])
+    xs = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(TASKS[ctx.replica_id_in_sync_group])
+    )
+
+    def step(x: Any) -> Any:
+        with AssignAwareTape() as outer:
+            with tf.GradientTape() as inner:
+                loss = tf.reduce_sum((w * x) ** 2)
+            optimizer.apply_gradients([(inner.gradient(loss, w), w)])
+            val = tf.reduce_sum((w * x - 1.0) ** 2)
+        return outer.gradient(val, [lr, w])
+
+    fn = tf.function(step) if compiled else step
+    out = []
+    for _ in range(STEPS):
+        d_lr, d_w = strategy.run(fn, args=(xs,))
+        lrs = strategy.experimental_local_results(d_lr)
+        ws = strategy.experimental_local_results(d_w)
+        if any(g is None for g in lrs + ws):
+            raise AssertionError(f"a replica's meta-gradient is None: {lrs}, {ws}")
+        out.append([
+            sum(float(g) for g in lrs),
+            tf.add_n(list(ws)).numpy().tolist(),
+            [c.numpy().tolist() for c in strategy.experimental_local_results(w)],
+        ])
+    return out
+
+
+def _outcome(fn: Callable[[], Any]) -> Dict[str, Any]:
+    try:
+        return {"result": fn()}
+    except Exception as e:  # noqa: BLE001 - the test looks at what was raised
+        return {"error": type(e).__name__, "message": str(e)}
+
+
+def main() -> None:
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    out: Dict[str, Any] = {}
+    for name in optimizers(tf.Variable(0.1)):
+        out[name] = {"single": single_device(name)}
+        for mode in ("eager", "compiled"):
+            out[name][mode] = _outcome(lambda: mirrored(strategy, name, mode == "compiled"))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
