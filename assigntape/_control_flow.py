@@ -22,6 +22,7 @@ it, and a read through one then misses a write through the other.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -74,19 +75,28 @@ def _top_version_grad(op: Any, grad_handle: Any, *rest: Any) -> List[Any]:
     return [None, *backward(grad_handle)]
 
 
-def symbolic_version(old: Any, write_result: Any, inputs: List[Any], backward: Callable[..., Any]) -> Any:
-    """The new version of a write at the top level of a tape's graph: a handle
-    for the same resource, read after the write, whose symbolic gradient (for
-    ``tf.gradients``, which TensorFlow Probability's kernels use in graphs) is
-    the write's backward function. Unrecorded, as ``_versions.new_version``."""
+def _on_its_device(var: Any) -> Any:
+    """Places a version's IdentityN on the variable's device. IdentityN has
+    several inputs, so TensorFlow's placer does not put it with its resource
+    input, as it does an Identity, and colocating it with the function's
+    captured handle is lost when the function is instantiated: it would run
+    on the function's device, and every read through it (placed with it)
+    fails for a variable elsewhere (tf.device, OneDeviceStrategy, parameter
+    servers)."""
+    device = getattr(var, "device", "")
+    return ops.device(device) if device else contextlib.nullcontext()
+
+
+def symbolic_version(var: Any, old: Any, write_result: Any, inputs: List[Any], backward: Callable[..., Any]) -> Any:
+    """The new version of a write to ``var`` at the top level of a tape's
+    graph: a handle for the same resource, read after the write, whose
+    symbolic gradient (for ``tf.gradients``, which TensorFlow Probability's
+    kernels use in graphs) is the write's backward function. Unrecorded, as
+    ``_versions.new_version``."""
     with record.stop_recording(), ops.control_dependencies([write_result]):
         with ops.get_default_graph().gradient_override_map({"IdentityN": _TOP_VERSION_GRAD}):
             root = _versions.root_handle(old)
-            # IdentityN has several inputs, so TensorFlow's placer does not put
-            # it with its resource input, as it does an Identity: it would run
-            # on the function's device, and reads through it fail for a
-            # variable placed elsewhere (tf.device, OneDeviceStrategy, PS).
-            with ops.colocate_with(root):
+            with _on_its_device(var):
                 outputs = array_ops.identity_n([root, *inputs])
     handle = outputs[0]
     handle.op._assigntape_backward = backward
@@ -144,7 +154,7 @@ def _version_handle(branch: Any, var: Any, value: Any, after: Optional[Any]) -> 
     root = branch.scope.current_version(var)
     with ops.control_dependencies([] if after is None else [after]), ops.get_default_graph().gradient_override_map(
         {"IdentityN": _BRANCH_VERSION_GRAD}
-    ), ops.colocate_with(root):  # on the variable's device: see symbolic_version
+    ), _on_its_device(var):
         handle = array_ops.identity_n([root, value])[0]
     # Tapes opened inside the body record ops as they are made, and look
     # gradients up by op type, not through gradient_override_map: tell them too.

@@ -130,7 +130,7 @@ def _tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Ca
         if scope.key is None or result is None:
             new = _versions.new_version(old, result)
         else:
-            new = _control_flow.symbolic_version(old, result, write.inputs, write.backward)
+            new = _control_flow.symbolic_version(var, old, result, write.inputs, write.backward)
         if write.reads_old:
             # A partial write reads the old value, but a variable that was never
             # read is not watched yet, and an unwatched input is not recorded:

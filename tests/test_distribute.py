@@ -160,15 +160,21 @@ def _functional_other_device():
         w = tf.stack([w[0], w[0] * lr])
         return tf.reduce_sum(w * w)
 
+    def two_writes(w, lr):
+        w = w - lr * w
+        w = tf.stack([w[1] * lr, w[1]])
+        return tf.reduce_sum(w * w)
+
     step = lambda w, lr: tf.reduce_sum((w - lr * 2.0 * w) * 3.0)  # noqa: E731
     return {"top_level": grads(step), "in_cond": grads(cond), "in_loop": grads(loop),
-            "fused_kernel": grads(step), "scatter": grads(scatter)}
+            "fused_kernel": grads(step), "scatter": grads(scatter), "two_writes": grads(two_writes)}
 
 
 def test_compiled_writes_to_a_variable_on_another_device():
     """A version made in a graph is read on the variable's device, not the
     function's: compiled equals eager equals the rewrite, for a variable placed
-    with tf.device and one made in OneDeviceStrategy's scope."""
+    with tf.device and one made in OneDeviceStrategy's scope, after one write
+    and after several."""
     result = _helper_output("other_device_writes")
     assert all(device.endswith("CPU:1") for device in result["placed"])
     expected = _functional_other_device()

@@ -52,7 +52,14 @@ def programs(w: Any, lr: Any) -> Dict[str, Callable[[], List[Any]]]:
             out = tf.reduce_sum(w * w)
         return tape.gradient(out, [lr, w])
 
-    return {f.__name__: f for f in (top_level, in_cond, in_loop, fused_kernel, scatter)}
+    def two_writes() -> List[Any]:
+        with AssignAwareTape() as tape:
+            w.assign_sub(lr * w)
+            w[0].assign(w[1] * lr)
+            out = tf.reduce_sum(w * w)
+        return tape.gradient(out, [lr, w])
+
+    return {f.__name__: f for f in (top_level, in_cond, in_loop, fused_kernel, scatter, two_writes)}
 
 
 def _run(make: Callable[[], Dict[str, Callable[[], List[Any]]]], reset: Callable[[], None], wrap: Callable[..., Any]) -> Dict[str, Any]:
