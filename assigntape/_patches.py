@@ -476,6 +476,7 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (_GRADIENT_TAPE, "gradient", _plain_tapes.gradient),
         (_GRADIENT_TAPE, "jacobian", _plain_tapes.jacobian),
         (_GRADIENT_TAPE, "batch_jacobian", _plain_tapes.jacobian),
+        (_GRADIENT_TAPE, "reset", _plain_tapes.reset),
         (forwardprop.ForwardAccumulator, "__enter__", _plain_tapes.accumulator_enter),
         (forwardprop.ForwardAccumulator, "__exit__", _plain_tapes.accumulator_exit),
         # The slots of tf.compat.v1 optimizers, whose fused kernels are
@@ -510,6 +511,7 @@ _ALWAYS_ON = (
     _plain_tapes.exit,
     _plain_tapes.gradient,
     _plain_tapes.jacobian,
+    _plain_tapes.reset,
     _plain_tapes.accumulator_enter,
     _plain_tapes.accumulator_exit,
 )

@@ -33,7 +33,9 @@ from assigntape._tf import forwardprop, gen_resource_variable_ops, nest, Unconne
 
 from assigntape import _versions
 
-__all__ = ["accumulator_enter", "accumulator_exit", "enter", "exit", "gradient", "jacobian", "lease", "note_closing"]
+__all__ = [
+    "accumulator_enter", "accumulator_exit", "enter", "exit", "gradient", "jacobian", "lease", "note_closing", "reset"
+]
 
 _START = "_assigntape_start"
 _END = "_assigntape_end"
@@ -101,6 +103,20 @@ def exit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
             setattr(instance, _END, snapshot)
             lease(instance)
         _closed(instance)
+    return result
+
+
+def reset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``GradientTape.reset``: for a plain tape, a variable source means its
+    version at the reset from now on, as it would for a tape entered there."""
+    result = wrapped(*args, **kwargs)
+    if _is_plain(instance) and getattr(instance, "_recording", False):
+        snapshot = _snapshot()
+        if snapshot is not None:
+            setattr(instance, _START, snapshot)
+            lease(instance)
+        elif hasattr(instance, _START):
+            delattr(instance, _START)
     return result
 
 

@@ -270,3 +270,33 @@ def test_a_plain_tape_outside_a_function_is_not_held_by_a_tape_inside_it():
     assert not _versions.any_scopes()
     assert float(inner) == 2.0
     assert float(plain.gradient(y, c)) == 12.0  # a plain read of the value 6
+
+
+@modes
+@pytest.mark.parametrize("where", ["inside_an_open_aware_tape", "holding_after_it_closed"])
+def test_plain_tape_reset_beside_an_aware_tape_starts_from_the_versions_then(mode, where):
+    """``reset()`` is leaving and entering again with a new tape: a variable
+    source then means the variable's version at the reset, for a plain tape
+    as for an AssignAwareTape."""
+    with AssignAwareTape():
+        pass
+    x, c = tf.Variable(3.0), tf.Variable(2.0)
+
+    def program():
+        c.assign(2.0)
+        if where == "inside_an_open_aware_tape":
+            with AssignAwareTape():
+                with tf.GradientTape() as plain:
+                    c.assign(c * x)  # 6
+                    plain.reset()
+                    y = c * x
+        else:
+            with tf.GradientTape() as plain:
+                with AssignAwareTape():
+                    c.assign(c * x)
+                plain.reset()
+                y = c * x
+        return plain.gradient(y, [x, c])
+
+    gx, gc = run(mode, program)
+    assert float(gx) == 6.0 and float(gc) == 3.0  # y = c_reset * x, c_reset = 6
