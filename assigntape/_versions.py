@@ -133,6 +133,9 @@ class Scope:
         uid = var._unique_id
         self.current[uid] = new
         self.owners[id(new)] = var
+        if self.key is None:
+            key = id(new)
+            _eager_versions[key] = (weakref.ref(new, lambda ref: _forget_version(ref, key)), var)
         if self.key is not None or self.holders or not all(t._forward_only for t in self.tapes):
             self.pinned.append(new)
         else:
@@ -502,6 +505,17 @@ def _enclosing_scope(scopes: Dict[Any, Scope]) -> Optional[Scope]:
 # its variable through this (``owner``).
 _by_handle: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
+# id(an eager version handle) -> (a weak reference to it, its variable), for
+# every eager version made, while it lives: a handle kept from a tape that has
+# closed still names its variable.
+_eager_versions: Dict[int, Tuple[Any, Any]] = {}
+
+
+def _forget_version(ref: Any, key: int) -> None:
+    found = _eager_versions.get(key)
+    if found is not None and found[0] is ref:
+        del _eager_versions[key]
+
 
 def owner(tensor: Any) -> Optional[Tuple[Scope, Any]]:
     """The scope and variable whose handle ``tensor`` is, if a tape tracks it
@@ -517,7 +531,12 @@ def owner(tensor: Any) -> Optional[Tuple[Scope, Any]]:
         # (In a tape's graph too: the op is given the eager handle, captured after.)
         var = _by_handle.get(id(tensor))
         if var is None or var.__dict__.get("_handle") is not tensor:
-            return None
+            # A version an earlier tape made (``tape.versions(v)``, kept): it
+            # names the same resource, so the variable's current version here.
+            made = _eager_versions.get(id(tensor))
+            if made is None or made[0]() is not tensor:
+                return None
+            return scope, made[1]
         # A handle fetched before the tape opened (or by code that keeps
         # handles): the variable's own, so the version the tape starts from.
         if var._unique_id not in scope.current:

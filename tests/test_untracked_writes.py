@@ -220,16 +220,20 @@ _RAW_READS = {
 
 @modes
 @pytest.mark.parametrize("read", sorted(_RAW_READS))
-@pytest.mark.parametrize("fetched", ["before_the_tape", "before_the_write"])
+@pytest.mark.parametrize("fetched", ["before_the_tape", "before_the_write", "from_an_earlier_tape"])
 def test_a_raw_read_through_a_kept_handle_reads_the_current_version(mode, read, fetched):
     with AssignAwareTape():
         pass  # installed: the variables created from now on are known by their handles
     x, c = tf.Variable(2.0), tf.Variable([1.5, -0.5])
     early = c.handle
+    with AssignAwareTape() as earlier:
+        c.assign(c * 1.0)
+    kept = earlier.versions(c)[1]  # a version of a tape now closed
 
     def program():
         with AssignAwareTape() as tape:
-            handle = early if fetched == "before_the_tape" else c.handle
+            handle = {"before_the_tape": early, "from_an_earlier_tape": kept}.get(fetched)
+            handle = c.handle if handle is None else handle
             c.assign(c * x)  # [3, -1]
             y = tf.reduce_sum(_RAW_READS[read](handle) ** 2)
         return y, tape.gradient(y, [x, c])
