@@ -173,10 +173,15 @@ def _refuse(scope: Any, var: Any, name: str, op_type: str) -> None:
             "undecorated), write in tf.cond branches or tf.while_loop bodies, which the "
             "tape follows, or open the tape inside the body."
         )
+    # Held by a plain tape or accumulator only (the AssignAwareTape inside it
+    # closed; see _plain_tapes): say which.
+    around = "an AssignAwareTape is open" if scope.tapes else (
+        "a plain tf.GradientTape or ForwardAccumulator that recorded an AssignAwareTape's writes is open"
+    )
     _versions.refuse_or_cut(
         [scope], var, f"tf.function {name!r}",
-        f"tf.function {name!r} writes variable {var.name!r} ({op_type}) while an "
-        "AssignAwareTape is open around the call, and writes inside a function called "
+        f"tf.function {name!r} writes variable {var.name!r} ({op_type}) while "
+        f"{around} around the call, and writes inside a function called "
         "from an eager tape happen out of the tape's sight: reads after it would credit "
         "the previous version, a silently wrong gradient. Open the tape inside the "
         "function, or call the function outside the tape.",

@@ -300,3 +300,18 @@ def test_plain_tape_reset_beside_an_aware_tape_starts_from_the_versions_then(mod
 
     gx, gc = run(mode, program)
     assert float(gx) == 6.0 and float(gc) == 3.0  # y = c_reset * x, c_reset = 6
+
+
+def test_a_function_writing_while_a_plain_tape_holds_versions_is_refused_and_writes_nothing():
+    from assigntape import UntrackedWriteError
+
+    with AssignAwareTape():
+        pass
+    x, c = tf.Variable(3.0), tf.Variable(2.0)
+    write = tf.function(lambda: c.assign(c * 2.0))
+    with tf.GradientTape():
+        with AssignAwareTape():
+            c.assign(c * x)  # 6
+        with pytest.raises(UntrackedWriteError, match="plain tf.GradientTape or ForwardAccumulator that recorded"):
+            write()
+    assert float(c) == 6.0
