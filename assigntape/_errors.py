@@ -25,7 +25,8 @@ class AssignTapeError(Exception):
 
 
 class NotAVariableError(AssignTapeError, TypeError):
-    """An API that takes a variable was given something else."""
+    """An API that takes a variable was given something else, or ``gradient``
+    a ``ShardedVariable`` (give its shards, ``v.variables``)."""
 
 
 class ControlFlowWriteError(AssignTapeError, NotImplementedError):

@@ -185,9 +185,7 @@ def lease(instance: Any) -> None:
 
 
 def _map(x: Any, versions: Optional[Dict[str, Any]], open_now: bool) -> Any:
-    from assigntape._tape import _as_tf_variable
-
-    var = _as_tf_variable(x)
+    var = _versions.gradient_variable(x)
     if var is None:
         return x
     if open_now:

@@ -299,7 +299,7 @@ class AssignAwareTape(tf.GradientTape):
 
     def _version(self, x: Any, index: int) -> Any:
         """The version ``index`` of ``x`` if it is a variable, else ``x`` itself."""
-        var = _as_tf_variable(x)
+        var = _versions.gradient_variable(x)
         return x if var is None else self._versions_of(var)[index]
 
     # -- gradients -------------------------------------------------------------

@@ -27,6 +27,8 @@ try:
     from tensorflow.python.autograph.core import config, config_lib
     # Strategies' update(), and the container a distributed component belongs to.
     from tensorflow.python.distribute import distribute_lib, distribute_utils
+    # Parameter servers' partitioned variables, which no tape takes as a whole.
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
     # GradientTape, ForwardAccumulator, eager context, recording ops on tapes,
     # and the hook every variable read calls.
     from tensorflow.python.eager import backprop, context, forwardprop, record
@@ -133,7 +135,7 @@ def _check() -> None:
 _check()
 
 __all__ = [
-    "SUPPORTED", "PRIVATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph",
+    "SUPPORTED", "PRIVATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph", "ShardedVariable",
     "UnconnectedGradients", "array_ops", "auto_control_deps", "backprop", "check_ops", "composite_tensor",
     "cond_v2", "config", "config_lib", "context", "control_flow_util", "distribute_lib", "distribute_utils",
     "dtypes", "eager_tape", "forwardprop", "gen_array_ops", "gen_resource_variable_ops", "gen_state_ops",

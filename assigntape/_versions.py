@@ -24,6 +24,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from assigntape._tf import (
+    ShardedVariable,
     array_ops,
     eager_tape,
     BaseResourceVariable as _BASE_VARIABLE,
@@ -843,6 +844,21 @@ def resolve(x: Any) -> Optional[Any]:
             continue
         x = next((attributes[a] for a in _WRAPPED_IN if a in attributes), None)
     return None
+
+
+def gradient_variable(x: Any) -> Optional[Any]:
+    """``resolve`` for a source or target of ``gradient``, which refuses a
+    ``ShardedVariable`` (a parameter-server variable split in shards) with the
+    fix, where TensorFlow's own tapes fail with an AttributeError."""
+    if isinstance(x, ShardedVariable):
+        from assigntape._errors import NotAVariableError
+
+        raise NotAVariableError(
+            f"{x.name!r} is a ShardedVariable (a variable split across parameter servers), "
+            "which no gradient tape takes as a whole: give its shards instead "
+            "(v.variables), as sources or targets, and concatenate their gradients."
+        )
+    return resolve(x)
 
 
 def differentiable(var: Any) -> bool:
