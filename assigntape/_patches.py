@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import tensorflow as tf
 from assigntape._tf import (
+    UnliftedInitializerVariable,
     array_ops,
     backprop,
     ConcreteFunction,
@@ -465,6 +466,9 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (ConcreteFunction, "_call_flat", _functions.call_function),
         # Reads of variables written through handles no tape could name (_versions).
         (eager_tape, "variable_accessed", _versions.accessed),
+        # A variable made in a tf.function's first trace initializes itself
+        # with a write in the graph, which is not the tape's (_versions).
+        (UnliftedInitializerVariable, "__init__", _versions.constructing),
         # Values leaving TensorFlow, for explain() (_diagnostics).
         (ops._EagerTensorBase, "_numpy", _diagnostics.leave_tensorflow),
         # Cross-replica updates (_distribute). ``update`` is defined once, on the

@@ -35,6 +35,8 @@ try:
     from tensorflow.python.eager import tape as eager_tape
     # What a tf.function call runs (captures are mapped to versions there).
     from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
+    # The variables a tf.function makes on its first trace (their initialization).
+    from tensorflow.python.eager.polymorphic_function.polymorphic_function import UnliftedInitializerVariable
     # Graph building: ops, dtypes, tensors, automatic control dependencies.
     from tensorflow.python.framework import (
         auto_control_deps,
@@ -136,6 +138,7 @@ _check()
 
 __all__ = [
     "SUPPORTED", "PRIVATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph", "ShardedVariable",
+    "UnliftedInitializerVariable",
     "UnconnectedGradients", "array_ops", "auto_control_deps", "backprop", "check_ops", "composite_tensor",
     "cond_v2", "config", "config_lib", "context", "control_flow_util", "distribute_lib", "distribute_utils",
     "dtypes", "eager_tape", "forwardprop", "gen_array_ops", "gen_resource_variable_ops", "gen_state_ops",

@@ -522,7 +522,7 @@ def owner(tensor: Any) -> Optional[Tuple[Scope, Any]]:
     """The scope and variable whose handle ``tensor`` is, if a tape tracks it
     (or, eagerly, if it is a variable's own handle: the tape tracks it from now)."""
     scopes = getattr(_tls, "scopes", None)
-    if not scopes or not isinstance(tensor, tensor_lib.Tensor):
+    if not scopes or not isinstance(tensor, tensor_lib.Tensor) or getattr(_tls, "constructing", 0):
         return None
     scope = _enclosing_scope(scopes)
     if scope is None:
@@ -548,6 +548,19 @@ def owner(tensor: Any) -> Optional[Tuple[Scope, Any]]:
             # Already written in this tape: the handle names its current version.
             scope.canonical[id(tensor)] = var
     return None if var is None else (scope, var)
+
+
+def constructing(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """A variable's constructor (``UnliftedInitializerVariable``, which a
+    ``tf.function`` makes on its first trace, Keras layers built lazily
+    included): its initializing write, which TensorFlow puts in a ``tf.cond``
+    in the function's graph, is creation, not a write a tape differentiates
+    (as an eager variable's is not): left to TensorFlow."""
+    _tls.constructing = getattr(_tls, "constructing", 0) + 1
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _tls.constructing -= 1
 
 
 def unknown_variable_write(tensor: Any, op_name: str) -> None:

@@ -1,0 +1,104 @@
+"""Variables made inside a compiled tape: a ``tf.function``'s first trace
+makes them initialize themselves with a write in its graph (inside a
+``tf.cond``), which is creation, not a write the tape differentiates. Keras
+layers and optimizers built lazily inside the tape are the common case,
+``fit`` with a ``train_step`` that steps an inner optimizer the usual one."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from assigntape import AssignAwareTape
+from oracle import modes, run
+
+
+@modes
+def test_a_layer_built_inside_the_tape_gets_its_gradients(mode):
+    dense = keras.layers.Dense(2, kernel_initializer="ones", bias_initializer="ones")
+    x = tf.constant([[1.0, 2.0, 3.0]])
+
+    lost = []
+
+    def program():
+        with AssignAwareTape():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(dense(x) ** 2)  # the first call builds the layer
+            grads = tape.gradient(loss, dense.trainable_variables)
+        # tf.function traces twice when the first trace makes variables; the
+        # first trace's gradients must be there too (Keras raises on None).
+        lost.append([g is None for g in grads])
+        return grads
+
+    kernel, bias = run(mode, program)
+    assert not any(any(trace) for trace in lost), lost
+    # loss = sum over 2 units of (x . 1 + 1)^2 = 2 * 7^2: d/dkernel = 2 * 7 * x, d/dbias = 2 * 7.
+    np.testing.assert_allclose(kernel.numpy(), np.tile(14.0 * np.array([[1.0], [2.0], [3.0]]), (1, 2)))
+    np.testing.assert_allclose(bias.numpy(), [14.0, 14.0])
+
+
+@modes
+def test_a_variable_made_inside_the_tape_is_not_a_write(mode):
+    made = []
+
+    def program():
+        with AssignAwareTape() as tape:
+            if not made:
+                made.append(tf.Variable(3.0))
+            v = made[0]
+            y = v * v
+        return tape.gradient(y, v), len(tape.versions(v))
+
+    grad, versions = run(mode, program)
+    assert float(grad) == 6.0 and int(versions) == 1  # no version for the initialization
+
+
+class LearnedRateModel(keras.Model):
+    """A learned inner learning rate, stepped after each batch's inner step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = keras.layers.Dense(1, kernel_initializer="ones")
+        self.lr = tf.Variable(0.05, trainable=False)
+        self.inner = keras.optimizers.SGD(learning_rate=lambda: self.lr * 1.0)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        with AssignAwareTape() as outer:
+            outer.watch(self.lr)
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((self(x) - y) ** 2)
+            grads = tape.gradient(loss, self.dense.trainable_variables)
+            self.inner.apply_gradients(zip(grads, self.dense.trainable_variables))
+            val = tf.reduce_mean((self(x) - 2.0 * y) ** 2)
+        d_lr = outer.gradient(val, self.lr)
+        self.lr.assign_sub(0.01 * d_lr)
+        return {"loss": loss, "d_lr": d_lr}
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fit_with_an_inner_optimizer_built_inside_the_tape(compiled):
+    """The layer and the inner optimizer are built in the first train step,
+    inside the tape: compiled fit trains as the eager one does."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 3)).astype("float32")
+    y = (x @ np.array([[1.0], [-2.0], [0.5]], "float32")).astype("float32")
+
+    def train(run_eagerly):
+        keras.utils.set_random_seed(0)
+        model = LearnedRateModel()
+        model.build((None, 3))  # the model only: its layer is built in the first step
+        model.compile(run_eagerly=run_eagerly, jit_compile=False)
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return float(model.lr.numpy()), model.dense.kernel.numpy()
+
+    eager_lr, eager_kernel = train(True)
+    lr, kernel = train(not compiled)
+    assert eager_lr != 0.05  # the learning rate moved
+    np.testing.assert_allclose(lr, eager_lr, rtol=1e-5)
+    np.testing.assert_allclose(kernel, eager_kernel, rtol=1e-5)
