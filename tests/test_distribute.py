@@ -214,3 +214,18 @@ def test_keras_optimizer_steps_in_replica_context():
         got = out["legacy_SGD"][mode]
         assert got.get("error") == "UntrackedWriteError", got
         assert "computed by another replica" in got["message"]
+
+
+def test_fit_under_mirrored_strategy_equals_one_device():
+    """``fit`` whose train_step steps an inner Keras SGD inside the tape and a
+    learned learning rate after it: under MirroredStrategy (eager and
+    compiled) the learning rate and the weights after an epoch equal one
+    device's on the same batches."""
+    out = _helper_output("mirrored_fit")
+    single = out["single"]
+    assert single["lr"] != 0.05
+    for mode in ("eager", "compiled"):
+        got = out[mode]
+        assert "error" not in got, (mode, got)
+        np.testing.assert_allclose(got["lr"], single["lr"], rtol=1e-5, err_msg=mode)
+        np.testing.assert_allclose(got["kernel"], single["kernel"], rtol=1e-5, err_msg=mode)
