@@ -16,13 +16,16 @@ import sys
 import numpy as np
 import tensorflow as tf
 
+from helpers import free_ports
 from helpers.mirrored_meta_step import TASKS, W0
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _functional(x):
-    w0, lr, x = tf.constant(W0), tf.constant(0.1), tf.constant(x)
+def _functional(x, w0=W0, lr=0.1):
+    """The Meta-SGD step on one device, written without variables: d/d lr,
+    d/d w0, and the weights after the inner step."""
+    w0, lr, x = tf.constant(w0), tf.constant(lr), tf.constant(x)
     with tf.GradientTape() as outer:
         outer.watch([lr, w0])
         with tf.GradientTape() as inner:
@@ -64,24 +67,11 @@ def test_mirrored_strategy_meta_step_matches_single_device():
     assert expected[0][0] != expected[1][0]  # the tasks really differ
 
 
-def _free_ports(n):
-    import socket
-
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def test_multi_worker_mirrored_strategy_on_loopback():
     """Two worker processes, TF_CONFIG on 127.0.0.1, each running the step on its
     own task; each worker's meta-gradients equal the single-device step on its
     task, and the cross-worker mean is the mean of the two."""
-    ports = _free_ports(2)
+    ports = free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     workers = []

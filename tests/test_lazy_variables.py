@@ -55,50 +55,15 @@ def test_a_variable_made_inside_the_tape_is_not_a_write(mode):
     assert float(grad) == 6.0 and int(versions) == 1  # no version for the initialization
 
 
-class LearnedRateModel(keras.Model):
-    """A learned inner learning rate, stepped after each batch's inner step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.dense = keras.layers.Dense(1, kernel_initializer="ones")
-        self.lr = tf.Variable(0.05, trainable=False)
-        self.inner = keras.optimizers.SGD(learning_rate=lambda: self.lr * 1.0)
-
-    def call(self, x):
-        return self.dense(x)
-
-    def train_step(self, data):
-        x, y = data
-        with AssignAwareTape() as outer:
-            outer.watch(self.lr)
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((self(x) - y) ** 2)
-            grads = tape.gradient(loss, self.dense.trainable_variables)
-            self.inner.apply_gradients(zip(grads, self.dense.trainable_variables))
-            val = tf.reduce_mean((self(x) - 2.0 * y) ** 2)
-        d_lr = outer.gradient(val, self.lr)
-        self.lr.assign_sub(0.01 * d_lr)
-        return {"loss": loss, "d_lr": d_lr}
-
-
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fit_with_an_inner_optimizer_built_inside_the_tape(compiled):
-    """The layer and the inner optimizer are built in the first train step,
-    inside the tape: compiled fit trains as the eager one does."""
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(32, 3)).astype("float32")
-    y = (x @ np.array([[1.0], [-2.0], [0.5]], "float32")).astype("float32")
+    """A model whose layer and inner Keras optimizer are built in the first
+    train step, inside the tape (tests/helpers/mirrored_fit.py, on one
+    device): compiled fit trains as the eager one does."""
+    from helpers.mirrored_fit import train
 
-    def train(run_eagerly):
-        keras.utils.set_random_seed(0)
-        model = LearnedRateModel()
-        model.build((None, 3))  # the model only: its layer is built in the first step
-        model.compile(run_eagerly=run_eagerly, jit_compile=False)
-        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-        return float(model.lr.numpy()), model.dense.kernel.numpy()
-
-    eager_lr, eager_kernel = train(True)
-    lr, kernel = train(not compiled)
-    assert eager_lr != 0.05  # the learning rate moved
-    np.testing.assert_allclose(lr, eager_lr, rtol=1e-5)
-    np.testing.assert_allclose(kernel, eager_kernel, rtol=1e-5)
+    eager = train(tf.distribute.get_strategy(), run_eagerly=True)
+    got = train(tf.distribute.get_strategy(), run_eagerly=not compiled)
+    assert eager["lr"] != 0.05  # the learning rate moved
+    np.testing.assert_allclose(got["lr"], eager["lr"], rtol=1e-5)
+    np.testing.assert_allclose(got["kernel"], eager["kernel"], rtol=1e-5)

@@ -7,29 +7,15 @@ The meta-gradients and the written weights equal the single-device step's."""
 from __future__ import annotations
 
 import numpy as np
-import tensorflow as tf
 
 from helpers.parameter_server import LR, W0, X
-from test_distribute import _helper_output
-
-
-def _single_device():
-    w0, lr, x = tf.constant(W0), tf.constant(LR), tf.constant(X)
-    with tf.GradientTape() as outer:
-        outer.watch([lr, w0])
-        with tf.GradientTape() as inner:
-            inner.watch(w0)
-            inner_loss = tf.reduce_sum((w0 * x) ** 2)
-        w1 = w0 - lr * inner.gradient(inner_loss, w0)
-        outer_loss = tf.reduce_sum((w1 * x - 1.0) ** 2)
-    d_lr, d_w = outer.gradient(outer_loss, [lr, w0])
-    return float(d_lr), d_w.numpy(), w1.numpy()
+from test_distribute import _functional, _helper_output
 
 
 def test_parameter_server_meta_step():
     out = _helper_output("parameter_server")
     assert out["plain/kind"] != "ResourceVariable" and out["sharded/kind"] == "ShardedVariable"
-    d_lr, d_w, w1 = _single_device()
+    d_lr, d_w, w1 = _functional(X, W0, LR)
     for label in ("plain", "sharded"):
         got = out[f"{label}/step"]
         assert "result" in got, (label, got)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from typing import Any, Dict, List
 
@@ -16,24 +15,15 @@ os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
 
 import tensorflow as tf  # noqa: E402
 
+from helpers import free_ports  # noqa: E402
+
 W0 = [1.0, 2.0, 3.0, 4.0]
 X = [0.5, 1.5, -1.0, 0.25]
 LR = 0.1
 
 
-def _free_ports(n: int) -> List[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _cluster(workers: int = 2, ps: int = 2) -> Any:
-    ports = _free_ports(workers + ps)
+    ports = free_ports(workers + ps)
     spec = tf.train.ClusterSpec({
         "worker": [f"127.0.0.1:{p}" for p in ports[:workers]],
         "ps": [f"127.0.0.1:{p}" for p in ports[workers:]],
