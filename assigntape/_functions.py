@@ -142,6 +142,14 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
         for h in captured_in:
             if id(h) in scope.unnamed:
                 _versions.refuse_unnamed(scope, _variable_behind(instance, h, scope), h)
+    if scope.dirty:
+        # A variable written while this tape was closed, first read here (the
+        # function reads its capture, not v.handle): its version now.
+        for h in captured_in:
+            if id(h) in scope.dirty:
+                var = _variable_behind(instance, h, scope)
+                if var is not None:
+                    _versions.cut_on_first_read(scope, var, h)
     captured = [h if v is None else _versions.version_in(scope, branch, v) for h, v in
                 ((h, scope.canonical.get(id(h))) for h in captured_in)]
     written = _written_inputs(instance)

@@ -37,7 +37,7 @@ from typing import Any, List, Sequence
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from assigntape import AssignAwareTape
@@ -264,6 +264,23 @@ def test_random_programs_with_an_infinite_upstream_gradient(program):
 
 @settings(max_examples=_n(80))
 @given(programs(events=True))
+# Found by the thorough profile: written while the tape was paused, then read
+# through a tf.function (its capture, not v.handle) once the tape resumed.
+@example(
+    program=Program(
+        shapes=((), (), (), ()),
+        dtypes=("float32", "float32", "float32", "complex128"),
+        n_params=0,
+        statements=(
+            ("event", "pause", False),
+            ("write", 0, "assign", ("var", 0, 0), ("var", 0, 0), "add", "half"),
+            ("event", "resume", False),
+            ("read", ("var", 0, 4), "half"),
+        ),
+        seed=0,
+        keras=(True, True, True, False),
+    )
+)
 def test_random_programs_with_tape_events(program):
     # The strategy enters a paused tape again before the loss; Program.check
     # compares the outer tape's gradients, and the inner tape's if one opened.

@@ -256,6 +256,32 @@ def test_a_function_whose_variable_is_gone_behaves_as_under_a_plain_tape():
     assert outcomes[0] == outcomes[1]
 
 
+@pytest.mark.parametrize("traced_before", [False, True])
+@pytest.mark.parametrize("read", ["operator", "function", "nested_function", "raw_op"])
+def test_write_while_closed_first_read_through_a_function(read, traced_before):
+    """The first read, after re-entering, of a variable written while the
+    tape was closed may be a tf.function's (it reads its capture, not
+    v.handle) or a raw op's: the same cut version as a direct read."""
+    x, v = tf.Variable(2.0), tf.Variable(3.0)
+    inner = tf.function(lambda: tf.convert_to_tensor(v) * 1.0)
+    reads = {
+        "operator": lambda: v * 1.0,
+        "function": inner,
+        "nested_function": tf.function(lambda: inner() + 0.0),
+        "raw_op": lambda: tf.raw_ops.ReadVariableOp(resource=v.handle, dtype=tf.float32),
+    }
+    if traced_before:
+        reads[read]()
+    tape = AssignAwareTape(persistent=True)
+    with tape:
+        a = x * 1.0
+    v.assign(v * 2.0)  # written while the tape is closed, never touched by it
+    with tape:
+        y = reads[read]() * a
+    assert tape.gradient(y, v) is None  # overwritten while closed: no path to its start
+    assert float(tape.gradient(y, x)) == 6.0
+
+
 @pytest.mark.parametrize("later_reads_first", [False, True])
 def test_write_while_closed_to_a_variable_the_tape_never_touched(later_reads_first):
     x, v = tf.Variable(2.0), tf.Variable(3.0)
