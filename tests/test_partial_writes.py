@@ -253,3 +253,44 @@ RAW = {
 def test_raw_ops_and_compat_v1_writes_are_differentiated(mode, name):
     program, rewrite = RAW[name]
     _check(mode, program, rewrite)
+
+
+_SCALAR_UPDATE_CASES = [
+    (op, dtype)
+    for op in ("ResourceScatterMul", "ResourceScatterDiv", "ResourceScatterUpdate", "ResourceScatterMax")
+    for dtype in (tf.float64, tf.complex128)
+    if not (dtype.is_complex and op == "ResourceScatterMax")  # no complex kernel
+]
+
+
+@modes
+@pytest.mark.parametrize("op,dtype", _SCALAR_UPDATE_CASES)
+def test_scalar_update_from_a_written_variable(mode, op, dtype):
+    """The raw scatter ops take a scalar update for every written row. One
+    computed from a variable written earlier in the tape (found by the random
+    programs, compiled: TensorFlow's graph optimizer broke the backward pass)."""
+    v = tf.Variable(tf.constant([1.0, 2.0, 3.0], dtype))
+    a = tf.Variable(tf.constant(2.0, dtype))
+
+    def program():
+        v.assign(tf.constant([1.0, 2.0, 3.0], dtype))
+        a.assign(tf.constant(2.0, dtype))
+        with AssignAwareTape() as tape:
+            a.assign(a * 2.0)  # 4
+            getattr(tf.raw_ops, op)(resource=v.handle, indices=[0], updates=a * 1.0)
+            loss = tf.reduce_sum(v * 1.0)  # its upstream gradient is a constant
+        return tape.gradient(loss, [a, v])
+
+    def rewrite(a0, v0):
+        a1 = a0 * 2.0
+        combine = {"ResourceScatterMul": lambda r: r * a1, "ResourceScatterDiv": lambda r: r / a1,
+                   "ResourceScatterUpdate": lambda r: a1 + 0.0 * r, "ResourceScatterMax": lambda r: tf.maximum(r, a1)}[op]
+        v1 = tf.stack([combine(v0[0]), v0[1], v0[2]])
+        return tf.reduce_sum(v1 * 1.0)
+
+    a0, v0 = tf.constant(2.0, dtype), tf.constant([1.0, 2.0, 3.0], dtype)
+    with tf.GradientTape() as oracle:
+        oracle.watch([a0, v0])
+        expected_loss = rewrite(a0, v0)
+    expected = oracle.gradient(expected_loss, [a0, v0])
+    assert_grads_close(run(mode, program), expected, rtol=1e-10)

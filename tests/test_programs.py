@@ -314,6 +314,24 @@ def test_the_generator_makes_programs_that_need_the_tape():
 
 @settings(max_examples=_n(40))
 @given(programs(), st.booleans())
+# Found by the thorough profile: a scalar scatter_mul update from a variable
+# written before, compiled.
+@example(
+    program=Program(
+        shapes=((), (3,), ()),
+        dtypes=("float32", "complex128", "complex128"),
+        n_params=0,
+        statements=(
+            ("read", ("var", 0, 0), "half"),
+            ("write", 0, "assign", ("var", 0, 0), ("var", 0, 0), "add", "half"),
+            ("read", ("var", 1, 0), "half"),
+            ("partial", 1, "scatter_mul", (0,), ("var", 0, 0), ("var", 0, 0), "add", "half", "scalar"),
+        ),
+        seed=0,
+        keras=(True, False, False),
+    ),
+    compiled=True,
+)
 def test_random_programs_variable_targets(program, compiled):
     # Each variable (Keras 3 ones included) as a target means its latest version.
     vars0, params0, variables, params = state(program)
