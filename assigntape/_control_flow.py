@@ -152,9 +152,12 @@ def _version_handle(branch: Any, var: Any, value: Any, after: Optional[Any]) -> 
     with those on the tape-level version by ``_resolve_branch_versions``.)
     """
     root = branch.scope.current_version(var)
-    with ops.control_dependencies([] if after is None else [after]), ops.get_default_graph().gradient_override_map(
-        {"IdentityN": _BRANCH_VERSION_GRAD}
-    ), _on_its_device(var):
+    # Unrecorded (the tapes and accumulators get it below, as one op from
+    # ``value``): a forward accumulator would otherwise try to differentiate
+    # the IdentityN itself and fail on its resource output.
+    with record.stop_recording(), ops.control_dependencies(
+        [] if after is None else [after]
+    ), ops.get_default_graph().gradient_override_map({"IdentityN": _BRANCH_VERSION_GRAD}), _on_its_device(var):
         handle = array_ops.identity_n([root, value])[0]
     # Tapes opened inside the body record ops as they are made, and look
     # gradients up by op type, not through gradient_override_map: tell them too.

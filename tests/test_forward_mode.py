@@ -275,6 +275,47 @@ def test_jvp_by_the_written_variable_itself(mode, write):
         assert float(jvp) == 3.0
 
 
+@modes
+def test_a_cond_branch_writes_a_variable_that_carries_a_tangent(mode):
+    """A write in a tf.cond branch to a variable already written under the
+    accumulator (its version carries a tangent)."""
+    c, x = tf.Variable(1.0, dtype=tf.float64), tf.Variable(2.0, dtype=tf.float64)
+
+    def program():
+        c.assign(1.0)
+        with assigntape.ForwardAccumulator(x, tf.constant(1.0, tf.float64)) as acc:
+            c.assign_add(x)  # 1 + x
+            tf.cond(x > 0.0, lambda: c.assign(c * x).read_value(), lambda: c.assign(c + x).read_value())
+            y = c * c  # ((1 + x) x)^2
+        return y, acc.jvp(y)
+
+    y, jvp = run(mode, program)
+    assert float(y) == 36.0 and float(jvp) == 2 * 6.0 * (1 + 2 * 2.0)
+
+
+def test_forward_hypergradient_through_keras_gradient_accumulation_compiled_equals_eager():
+    w, lr = tf.Variable([0.5, -1.0], dtype=tf.float64), tf.Variable(0.05, dtype=tf.float64)
+    opt = keras.optimizers.SGD(learning_rate=lambda: lr * 1.0, momentum=0.9, gradient_accumulation_steps=2)
+    opt.build([w])
+
+    def program():
+        w.assign([0.5, -1.0])
+        for variable in opt.variables:
+            variable.assign(tf.zeros_like(variable))
+        with assigntape.ForwardAccumulator(lr, tf.constant(1.0, tf.float64)) as acc:
+            for _ in range(2):  # the second step applies the accumulated gradients, in a tf.cond
+                with tf.GradientTape() as inner:
+                    value = tf.reduce_sum(tf.sin(w) ** 2)
+                opt.apply_gradients([(inner.gradient(value, w), w)])
+            y = tf.reduce_sum(w**2)
+        return y, acc.jvp(y)
+
+    eager_y, eager_jvp = program()
+    y, jvp = tf.function(program)()
+    assert float(eager_jvp) != 0.0
+    np.testing.assert_allclose([float(y), float(jvp)], [float(eager_y), float(eager_jvp)], rtol=1e-10)
+
+
 def _sgd_hypergradient_problem():
     w = tf.Variable([0.5, -1.0, 2.0], dtype=tf.float64)
     lr = tf.Variable(0.05, dtype=tf.float64)
