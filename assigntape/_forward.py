@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from assigntape._tf import forwardprop, nest
 
-from assigntape import _versions
+from assigntape import _patches, _versions
 from assigntape._tape import AssignAwareTape
 
 __all__ = ["ForwardAccumulator"]
@@ -79,6 +79,11 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
         self._ready = True
 
     def __enter__(self) -> "ForwardAccumulator":
+        # Installed before TensorFlow's __enter__ runs, so that its patch
+        # notes this accumulator (it must hold the versions once the tape
+        # inside closes, for jvp after the block; see _plain_tapes).
+        _patches.acquire()
+        _patches.release()
         super().__enter__()
         if self._ready:
             self._writes = _ForwardOnlyTape(watch_accessed_variables=False)

@@ -483,6 +483,7 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (_GRADIENT_TAPE, "reset", _plain_tapes.reset),
         (forwardprop.ForwardAccumulator, "__enter__", _plain_tapes.accumulator_enter),
         (forwardprop.ForwardAccumulator, "__exit__", _plain_tapes.accumulator_exit),
+        (forwardprop.ForwardAccumulator, "jvp", _plain_tapes.accumulator_jvp),
         # The slots of tf.compat.v1 optimizers, whose fused kernels are
         # differentiated (_fused), found again after a write in a tape's graph.
         (v1_optimizer, "_var_key", _v1_slot_key),
@@ -518,6 +519,7 @@ _ALWAYS_ON = (
     _plain_tapes.reset,
     _plain_tapes.accumulator_enter,
     _plain_tapes.accumulator_exit,
+    _plain_tapes.accumulator_jvp,
 )
 
 # (id(owner), attribute) -> the Wrapper built for the original found there.

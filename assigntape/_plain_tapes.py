@@ -32,9 +32,10 @@ from typing import Any, Callable, Dict, List, Optional
 from assigntape._tf import forwardprop, gen_resource_variable_ops, nest, UnconnectedGradients
 
 from assigntape import _versions
+from assigntape._wrapping import bind
 
 __all__ = [
-    "accumulator_enter", "accumulator_exit", "enter", "exit", "gradient", "jacobian", "lease", "note_closing", "reset"
+    "accumulator_enter", "accumulator_exit", "accumulator_jvp", "enter", "exit", "gradient", "jacobian", "lease", "note_closing", "reset"
 ]
 
 _START = "_assigntape_start"
@@ -129,10 +130,26 @@ def accumulator_enter(wrapped: Callable[..., Any], instance: Any, args: Any, kwa
 
 
 def accumulator_exit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``ForwardAccumulator.__exit__``."""
+    """``ForwardAccumulator.__exit__``: notes the versions current now, which
+    a variable given to ``jvp`` after the block means (``accumulator_jvp``)."""
+    snapshot = _snapshot()
+    if snapshot is not None:
+        setattr(instance, _END, snapshot)
     result = wrapped(*args, **kwargs)
     _closed(instance)
     return result
+
+
+def accumulator_jvp(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``ForwardAccumulator.jvp``: a variable means its latest version while
+    the accumulator was open, also once it is closed (TensorFlow's reads the
+    variable's own handle then)."""
+    end = getattr(instance, _END, None)
+    if end is None or getattr(instance, "_recording", False):
+        return wrapped(*args, **kwargs)
+    arguments = bind(("primals", "unconnected_gradients"), args, kwargs)
+    arguments["primals"] = nest.map_structure(lambda p: _map(p, end, False), arguments["primals"])
+    return wrapped(**arguments)
 
 
 def _opened(instance: Any) -> None:

@@ -316,6 +316,34 @@ def test_forward_hypergradient_through_keras_gradient_accumulation_compiled_equa
     np.testing.assert_allclose([float(y), float(jvp)], [float(eager_y), float(eager_jvp)], rtol=1e-10)
 
 
+@modes
+@pytest.mark.parametrize("accumulator", ["assigntape", "tf_around_a_tape"])
+def test_jvp_of_a_variable_after_the_block_is_its_latest_version(mode, accumulator):
+    assigntape.uninstall()
+    if accumulator == "assigntape":
+        pass  # the accumulator is the first thing to install the patches
+    else:  # an accumulator entered before the first tape is not followed (Known limits)
+        with AssignAwareTape():
+            pass
+    x, c = tf.Variable(2.0), tf.Variable(0.0)
+
+    def program():
+        x.assign(2.0)
+        if accumulator == "assigntape":
+            with assigntape.ForwardAccumulator(x, tf.constant(1.0)) as acc:
+                c.assign(x * x)
+                x.assign(x * x)
+        else:
+            with tf.autodiff.ForwardAccumulator(x, tf.constant(1.0)) as acc:
+                with AssignAwareTape():
+                    c.assign(x * x)
+                    x.assign(x * x)
+        return acc.jvp(c), acc.jvp(x)
+
+    jvp_c, jvp_x = run(mode, program)
+    assert float(jvp_c) == 4.0 and float(jvp_x) == 4.0  # d(x0^2)/dx0, both written
+
+
 def _sgd_hypergradient_problem():
     w = tf.Variable([0.5, -1.0, 2.0], dtype=tf.float64)
     lr = tf.Variable(0.05, dtype=tf.float64)
