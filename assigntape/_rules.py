@@ -296,10 +296,11 @@ def _scatter(combine: str, nd_form: bool) -> Rule:
             # otherwise folds the backward pass's rows to a scalar when the
             # update comes from a written variable, and the scatter of the
             # gradient fails.
-            rows_shape = array_ops.concat([
-                array_ops.shape(idx, out_type=idx.dtype)[:-1],
-                gen_resource_variable_ops.variable_shape(old, out_type=idx.dtype)[idx.shape[-1]:],
-            ], 0)
+            with record.stop_recording():  # a shape: nothing to differentiate, forward or back
+                rows_shape = array_ops.concat([
+                    array_ops.shape(idx, out_type=idx.dtype)[:-1],
+                    gen_resource_variable_ops.variable_shape(old, out_type=idx.dtype)[idx.shape[-1]:],
+                ], 0)
             updates = args["updates"] = array_ops.broadcast_to(updates, rows_shape)
         checks = [] if additive else _no_duplicates(var, idx, op_name)
         rows = None if additive or vjp is None else _recorded_rows(var, old, idx)
