@@ -35,7 +35,6 @@ import os
 from typing import Any, List, Sequence
 
 import numpy as np
-import pytest
 import tensorflow as tf
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
