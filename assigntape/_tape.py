@@ -141,6 +141,13 @@ class AssignAwareTape(tf.GradientTape):
             super().__exit__(typ, value, traceback)
         finally:
             if self._scope is not None:
+                # Writes made while this tape was closed before and not read
+                # since it was entered again stay writes with no gradient path
+                # for it when it is entered once more (the scope forgets its
+                # note of them when its last tape closes).
+                for own, closed_at_write in self._scope.dirty.values():
+                    if self in closed_at_write:
+                        self._written_while_closed[id(own)] = own
                 holders = _plain_tapes.note_closing()
                 _versions.close_scope(self._scope, self, holders)
                 self._scope = None
@@ -170,6 +177,7 @@ class AssignAwareTape(tf.GradientTape):
         self._writes.clear()
         self._escapes.clear()
         self._written_while_closed.clear()
+        _versions.forget_closed_writes(self)
         self._entered = self._scope is not None
         self._start, self._start_owners = {}, {}
         if self._scope is not None:

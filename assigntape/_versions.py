@@ -423,6 +423,17 @@ def note_write_while_closed(handle: Any, var: Any = None) -> None:
         tape._written_while_closed[id(own)] = own
 
 
+def forget_closed_writes(tape: Any) -> None:
+    """``tape.reset()``: writes made while the tape was closed and not read yet
+    (``Scope.dirty``) now come before the tape's start, so for it they are no
+    longer writes with no gradient path: their first read is an identity for
+    it, as for the tapes opened since."""
+    for scope in _scopes().values():
+        for _, closed_at_write in scope.dirty.values():
+            while tape in closed_at_write:
+                closed_at_write.remove(tape)
+
+
 # What made a version written while a tape was closed, as that tape sees it.
 CLOSED_WRITE = WriteRecord("a write while the tape was closed", cut=True)
 

@@ -83,7 +83,6 @@ def _check_finite_differences(program, grads):
         loss, _, _ = rewrite_run(program, True, list(x[:n]), list(x[n:]))
         return float(loss)
 
-    fd = central_difference(f, point, direction, eps=1e-6)
     flat = list(grads["vars"]) + list(grads["params"])
     # TensorFlow's gradient of a real loss by a complex z is dL/dRe z + i dL/dIm z,
     # so the directional derivative along d is Re(conj(g) d).
@@ -91,10 +90,35 @@ def _check_finite_differences(program, grads):
         0.0 if g is None else float(np.sum(np.real(np.conj(to_numpy(g).astype(np.complex128)) * d)))
         for g, d in zip(flat, direction)
     )
+    # A central difference's error grows with the loss's third derivative, which
+    # chained complex sines make huge (the sine of a value with a large
+    # imaginary part): there eps=1e-6 is too coarse and smaller steps converge
+    # on the gradient. The first step that agrees passes; a wrong gradient
+    # agrees with none of them (in float64 the smallest step's rounding error
+    # is still far below the tolerance for these losses).
+    for eps in (1e-6, 1e-7, 1e-8):
+        fd = central_difference(f, point, direction, eps=eps)
+        if np.isclose(analytic, fd, rtol=2e-3, atol=2e-3):
+            return
     np.testing.assert_allclose(analytic, fd, rtol=2e-3, atol=2e-3)
 
 
 @given(programs())
+# Found by the thorough profile: the gradient is right (finite differences
+# converge on it as the step shrinks), but eps=1e-6 alone was 7% off.
+@example(
+    program=Program(
+        shapes=((3,),),
+        dtypes=("complex128",),
+        n_params=0,
+        statements=(
+            ("write", 0, "assign", ("var", 0, 0), ("var", 0, 0), "add", "sin"),
+            ("write", 0, "assign", ("var", 0, 0), ("var", 0, 0), "mul", "sin"),
+        ),
+        seed=0,
+        keras=(False,),
+    )
+)
 def test_random_programs_eager(program):
     _, grads = compare(program)  # Program.check(), keeping the gradients
     if program.exact:
@@ -278,6 +302,44 @@ def test_random_programs_with_an_infinite_upstream_gradient(program):
         ),
         seed=0,
         keras=(True, True, True, False),
+    )
+)
+# The same write, then reset(): the write now comes before the tape's start, so
+# the variable's first read after it reaches the new start version; it is not
+# cut as a write made while the tape was closed.
+@example(
+    program=Program(
+        shapes=((), ()),
+        dtypes=("float32", "float64"),
+        n_params=0,
+        statements=(
+            ("event", "pause", False),
+            ("write", 0, "assign", ("var", 0, 0), ("var", 0, 0), "add", "half"),
+            ("event", "resume", False),
+            ("event", "reset", False),
+            ("read", ("var", 0, 0), "half"),
+        ),
+        seed=0,
+        keras=(True, False),
+    )
+)
+# A write made while the tape was paused, not read before the tape is paused
+# again: it stays a write with no gradient path (the second exit forgot it).
+@example(
+    program=Program(
+        shapes=((), ()),
+        dtypes=("float32", "complex128"),
+        n_params=0,
+        statements=(
+            ("event", "pause", False),
+            ("write", 0, "assign", ("var", 0, 0), ("var", 0, 0), "add", "half"),
+            ("read", ("var", 0, 0), "half"),
+            ("event", "resume", False),
+            ("event", "pause", False),
+            ("event", "resume", False),
+        ),
+        seed=0,
+        keras=(True, False),
     )
 )
 def test_random_programs_with_tape_events(program):
