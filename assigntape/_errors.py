@@ -36,6 +36,9 @@ class ControlFlowWriteError(AssignTapeError, NotImplementedError):
     the variable as loop state). A version made in another body (a
     ``tf.function`` called inside the tape's function, ``tf.switch_case``)
     cannot leave it, so the tape cannot carry the new version to later reads.
+    Likewise a write on a tape opened inside a compiled cond branch or loop
+    body while a plain ``tf.GradientTape`` or ``ForwardAccumulator`` records
+    around that body: make the outer tape an ``AssignAwareTape``.
     """
 
 

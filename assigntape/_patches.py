@@ -101,12 +101,14 @@ def _tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Ca
         scope, var = found
         _versions.refuse_other_thread(handle, var, op_name)
         branch = _versions.check_writable_here(scope, var, op_name)
+        around = _versions.branch_around(scope)
+        if around is None and branch is None and scope.key is not None:
+            _plain_tapes.refuse_recorders_outside_body(scope, var, op_name)
         for name in rule.value_args:
             arguments[name] = ops.convert_to_tensor(arguments[name], dtype=var.dtype)
         _versions.refuse_foreign_inputs(var, op_name, [arguments[name] for name in rule.value_args])
         if branch is not None:
             return _control_flow.branch_write(op_name, rule, wrapped, arguments, branch, var)
-        around = _versions.branch_around(scope)
         if around is not None:
             # A tape opened inside another tape's cond branch or loop body: the
             # write is that body's (so that it leaves the body for the outer
@@ -181,6 +183,9 @@ def _fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> 
         # Every handle the op is given is found in the scope of the graph being built.
         scope, first = next(iter(found.values()))
         branch = _versions.check_writable_here(scope, first, op_name)
+        around = _versions.branch_around(scope)
+        if around is None and branch is None and scope.key is not None:
+            _plain_tapes.refuse_recorders_outside_body(scope, first, op_name)
         for name in kernel.inputs:
             # Numbers become tensors of the variable's dtype, once, for the kernel
             # and the form alike; a tensor of another dtype is left for the kernel
@@ -194,6 +199,19 @@ def _fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> 
             checks = _fused.no_duplicates(arguments["indices"], first.name, op_name)
         if branch is not None:
             return _control_flow.fused_branch_write(op_name, kernel, wrapped, arguments, branch, tracked, checks)
+        if around is not None:
+            # A tape opened inside another tape's cond branch or loop body: as
+            # for one variable above, the body's writes, and this tape's versions.
+            olds = {uid: scope.current.get(uid, around.version_of(var)) for uid, var in
+                    ((var._unique_id, var) for var in tracked.values())}
+            result = _control_flow.fused_branch_write(op_name, kernel, wrapped, arguments, around, tracked, checks)
+            recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
+            for name in _fused.written(kernel, arguments):
+                var = tracked.get(name)
+                if var is not None:
+                    uid = var._unique_id
+                    scope.advance(var, olds[uid], around.versions[uid], _versions.WriteRecord(op_name, recorded=recorded))
+            return result
         # The previous versions: a tracked variable's current one (whichever of
         # its handles the op was given, it writes the same resource), else the
         # handle given (a variable the tape does not know: no version for it).

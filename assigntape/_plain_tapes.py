@@ -29,13 +29,14 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
-from assigntape._tf import forwardprop, gen_resource_variable_ops, nest, UnconnectedGradients
+from assigntape._tf import ControlFlowFuncGraph, forwardprop, gen_resource_variable_ops, nest, UnconnectedGradients
 
 from assigntape import _versions
 from assigntape._wrapping import bind
 
 __all__ = [
-    "accumulator_enter", "accumulator_exit", "accumulator_jvp", "enter", "exit", "gradient", "jacobian", "lease", "note_closing", "reset"
+    "accumulator_enter", "accumulator_exit", "accumulator_jvp", "enter", "exit", "gradient", "jacobian", "lease",
+    "note_closing", "refuse_recorders_outside_body", "reset",
 ]
 
 _START = "_assigntape_start"
@@ -165,6 +166,39 @@ def _closed(instance: Any) -> None:
             del opened[i]
             break
     _versions.release_holder(instance)
+
+
+def refuse_recorders_outside_body(scope: Any, var: Any, op_name: str) -> None:
+    """A write on a tape opened inside a compiled cond branch or loop body
+    (``scope.key``) with no AssignAwareTape around that body: a plain tape or
+    forward accumulator recording in a graph around the body would see the
+    write's version only inside it (no tape of ours carries it out, as
+    ``_control_flow`` does for an outer AssignAwareTape), and later reads
+    outside, or the next iteration, would credit the variable's own handle.
+    Refused by name rather than answered wrong."""
+    opened = getattr(_tls, "open", None)
+    if not opened or not isinstance(scope.key, ControlFlowFuncGraph):
+        return
+    around = set()
+    graph = scope.key.outer_graph
+    while graph is not None:
+        around.add(graph)
+        if not isinstance(graph, ControlFlowFuncGraph):
+            break  # the tf.function the body is in: tapes outside it see only its call
+        graph = graph.outer_graph
+    for ref, opened_in in opened:
+        instance = ref()
+        if instance is not None and opened_in in around and getattr(instance, "_recording", False):
+            from assigntape._errors import ControlFlowWriteError
+
+            kind = type(instance).__name__
+            raise ControlFlowWriteError(
+                f"{op_name} to variable {var.name!r} on an AssignAwareTape opened inside a "
+                f"compiled tf.cond branch or loop body, while a plain {kind} records around "
+                "that body: the plain tape cannot follow the new version out of the body, so "
+                "its gradient would be wrong. Make the outer tape an AssignAwareTape (it "
+                "follows writes out of branches and loop bodies), or use Python if/for there."
+            )
 
 
 def note_closing() -> List[Any]:

@@ -180,10 +180,37 @@ def open_scope(tape: "AssignAwareTape") -> Scope:
     scope = scopes.get(key)
     if scope is None:
         scope = scopes[key] = Scope(key)
+        _seed_from_around(scope)
         with _all_lock:
             _all_scopes.append(scope)
     scope.tapes.append(tape)
     return scope
+
+
+def _seed_from_around(scope: Scope) -> None:
+    """A tape opened inside a cond branch or loop body of another tape's graph
+    starts from the versions that body sees (the outer tape's, and the body's
+    own writes): read through the variable's own handle instead, its values
+    would be right and their gradient would not reach the outer tape."""
+    around = branch_around(scope)
+    if around is None:
+        return
+    outer = around.scope
+    for uid in set(outer.current).union(*(b.versions for b in _chain(around))):
+        handle = around.version_of_uid(uid)
+        if handle is None:
+            handle = outer.current[uid]
+        var = outer.owners.get(id(handle))
+        if var is not None:
+            scope.current[uid] = handle
+            scope.owners[id(handle)] = var
+
+
+def _chain(branch: Optional["Branch"]) -> Iterator["Branch"]:
+    """``branch`` and the bodies it is nested in, innermost first."""
+    while branch is not None:
+        yield branch
+        branch = branch.parent
 
 
 def close_scope(scope: Scope, tape: "AssignAwareTape", holders: Sequence[Any] = ()) -> None:

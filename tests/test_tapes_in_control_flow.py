@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from assigntape import AssignAwareTape
+from assigntape import AssignAwareTape, ControlFlowWriteError
 
 INNER = {"plain": tf.GradientTape, "aware": AssignAwareTape}
 
@@ -139,3 +139,152 @@ def test_hmc_through_a_layer_that_writes_its_weight_matches_the_functional_chain
     assert np.ptp(expected, axis=0).min() > 0.0  # the chain moves
     np.testing.assert_array_equal(chain(layer, tape=True).numpy(), expected)
     np.testing.assert_array_equal(tf.function(lambda: chain(layer, tape=True))().numpy(), expected)
+
+
+# -- a tape in a body, after the outer tape wrote the variable -----------------------
+
+_V0, _A0 = 2.0, 0.5
+
+
+def _write_assign(v: Any, a: Any) -> None:
+    v.assign(v * a + 1.0)
+
+
+def _write_fused(v: Any, a: Any) -> None:
+    # v <- v - a * v: TensorFlow's fused gradient-descent kernel, with the
+    # variable's own value as the "gradient".
+    tf.raw_ops.ResourceApplyGradientDescent(var=v.handle, alpha=a, delta=tf.identity(v.read_value()))
+
+
+_REWRITES = {"assign": lambda v, a: v * a + 1.0, "fused": lambda v, a: v - a * v}
+_WRITES = {"assign": _write_assign, "fused": _write_fused}
+
+
+def _body_program(where: str, kind: str, outer_cls: Any, v: Any, a: Any) -> Any:
+    """The outer tape writes v, then a body (a cond branch, or two iterations
+    of a loop) opens an AssignAwareTape that writes v again and asks for its
+    own gradients; the loss reads v after the body."""
+    with outer_cls() as outer:
+        outer.watch(a)
+        v.assign(v * a)
+
+        def inner_step(acc: Any) -> Any:
+            with AssignAwareTape() as inner:
+                _WRITES[kind](v, a)
+                y = v * v
+            g_a, g_v = inner.gradient(y, [a, v])
+            return acc + y + g_a + g_v
+
+        zero = tf.constant(0.0, tf.float64)
+        if where == "cond":
+            acc = tf.cond(a > 0, lambda: inner_step(zero), lambda: zero)
+        else:
+            acc = zero
+            for _ in tf.range(2):
+                acc = inner_step(acc)
+        loss = acc + 10.0 * v
+    return outer.gradient(loss, a), acc
+
+
+def _body_rewrite(where: str, kind: str) -> Any:
+    a = tf.constant(_A0, tf.float64)
+    with tf.GradientTape() as outer:
+        outer.watch(a)
+        v = tf.constant(_V0, tf.float64) * a
+        acc = tf.constant(0.0, tf.float64)
+        for _ in range(1 if where == "cond" else 2):
+            with tf.GradientTape() as inner:
+                inner.watch([a, v])  # v: the inner tape's start version
+                new = _REWRITES[kind](v, a)
+                y = new * new
+            g_a, g_v = inner.gradient(y, [a, v])
+            acc, v = acc + y + g_a + g_v, new
+        loss = acc + 10.0 * v
+    return outer.gradient(loss, a), acc
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("kind", sorted(_WRITES))
+@pytest.mark.parametrize("where", ["cond", "loop"])
+def test_a_tape_in_a_body_starts_from_the_outer_tapes_version(where, kind, compiled):
+    # Compiled, the inner tape once started from the variable's own handle: its
+    # gradient by v was None, and the outer gradient missed the outer write.
+    v, a = tf.Variable(_V0, dtype=tf.float64), tf.Variable(_A0, dtype=tf.float64)
+    run = tf.function(_body_program) if compiled else _body_program
+    d_a, acc = run(where, kind, AssignAwareTape, v, a)
+    expected_d_a, expected_acc = _body_rewrite(where, kind)
+    np.testing.assert_allclose(float(acc), float(expected_acc), rtol=1e-12)
+    np.testing.assert_allclose(float(d_a), float(expected_d_a), rtol=1e-10)
+
+
+@pytest.mark.parametrize("outer", ["plain tape", "forward accumulator"])
+@pytest.mark.parametrize("where", ["cond", "loop"])
+def test_a_plain_recorder_around_a_compiled_body_that_writes_is_refused(where, outer):
+    # A plain tape cannot follow the inner tape's version out of the body: the
+    # writes were lost (a wrong gradient). Refused by name, before anything runs.
+    v, a = tf.Variable(_V0, dtype=tf.float64), tf.Variable(_A0, dtype=tf.float64)
+    if outer == "plain tape":
+        outer_cls = tf.GradientTape
+    else:
+        def outer_cls() -> Any:
+            return tf.autodiff.ForwardAccumulator(a, tf.constant(1.0, tf.float64))
+    with pytest.raises(ControlFlowWriteError, match=r"variable 'body_v:0'.*AssignAwareTape") as info:
+        v_named = tf.Variable(_V0, dtype=tf.float64, name="body_v")
+        tf.function(_refused_program)(where, outer_cls, v_named, a)
+    assert isinstance(info.value, NotImplementedError)
+    assert float(v_named.numpy()) == _V0 and float(a.numpy()) == _A0
+
+
+def _refused_program(where: str, outer_cls: Any, v: Any, a: Any) -> Any:
+    with outer_cls() as outer:
+        if isinstance(outer, tf.GradientTape):
+            outer.watch(a)
+
+        def inner_step(acc: Any) -> Any:
+            with AssignAwareTape() as inner:
+                v.assign(v * a + 1.0)
+                y = v * v
+            return acc + y + inner.gradient(y, a)
+
+        zero = tf.constant(0.0, tf.float64)
+        if where == "cond":
+            acc = tf.cond(a > 0, lambda: inner_step(zero), lambda: zero)
+        else:
+            acc = zero
+            for _ in tf.range(2):
+                acc = inner_step(acc)
+    return acc
+
+
+@pytest.mark.parametrize("where", ["cond", "loop"])
+def test_a_plain_tape_around_an_eager_body_that_writes_follows_it(where):
+    # The same program eagerly is right, so it is not refused there.
+    v, a = tf.Variable(_V0, dtype=tf.float64), tf.Variable(_A0, dtype=tf.float64)
+    with tf.GradientTape() as outer:
+        outer.watch(a)
+        acc = _refused_program(where, _NullTape, v, a)
+        loss = acc + 10.0 * v
+    d_a = outer.gradient(loss, a)
+
+    a0 = tf.constant(_A0, tf.float64)
+    with tf.GradientTape() as expected_tape:
+        expected_tape.watch(a0)
+        value, total = tf.constant(_V0, tf.float64), tf.constant(0.0, tf.float64)
+        for _ in range(1 if where == "cond" else 2):
+            with tf.GradientTape() as inner:
+                inner.watch(a0)
+                value = value * a0 + 1.0
+                y = value * value
+            total += y + inner.gradient(y, a0)
+        expected_loss = total + 10.0 * value
+    np.testing.assert_allclose(float(d_a), float(expected_tape.gradient(expected_loss, a0)), rtol=1e-10)
+
+
+class _NullTape:
+    """Opens nothing: the plain tape around the call records."""
+
+    def __enter__(self) -> "_NullTape":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
