@@ -222,17 +222,17 @@ def test_a_tape_in_a_body_starts_from_the_outer_tapes_version(where, kind, compi
 def test_a_plain_recorder_around_a_compiled_body_that_writes_is_refused(where, outer):
     # A plain tape cannot follow the inner tape's version out of the body: the
     # writes were lost (a wrong gradient). Refused by name, before anything runs.
-    v, a = tf.Variable(_V0, dtype=tf.float64), tf.Variable(_A0, dtype=tf.float64)
+    v = tf.Variable(_V0, dtype=tf.float64, name="body_v")
+    a = tf.Variable(_A0, dtype=tf.float64)
     if outer == "plain tape":
         outer_cls = tf.GradientTape
     else:
         def outer_cls() -> Any:
             return tf.autodiff.ForwardAccumulator(a, tf.constant(1.0, tf.float64))
     with pytest.raises(ControlFlowWriteError, match=r"variable 'body_v:0'.*AssignAwareTape") as info:
-        v_named = tf.Variable(_V0, dtype=tf.float64, name="body_v")
-        tf.function(_refused_program)(where, outer_cls, v_named, a)
+        tf.function(_refused_program)(where, outer_cls, v, a)
     assert isinstance(info.value, NotImplementedError)
-    assert float(v_named.numpy()) == _V0 and float(a.numpy()) == _A0
+    assert float(v.numpy()) == _V0 and float(a.numpy()) == _A0
 
 
 def _refused_program(where: str, outer_cls: Any, v: Any, a: Any) -> Any:
