@@ -43,6 +43,9 @@ _START = "_assigntape_start"
 _END = "_assigntape_end"
 _LEASE = "_assigntape_lease"
 _LATEST = "_assigntape_latest"
+_HELD = "_assigntape_held"
+# Named as on AssignAwareTape: what ``note_write_while_closed`` fills.
+_WRITTEN = "_written_while_closed"
 
 # The plain tapes open in this thread (weak references), innermost last.
 _tls = threading.local()
@@ -156,7 +159,14 @@ def accumulator_jvp(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
 def _opened(instance: Any) -> None:
     # The graph it is open in: only an AssignAwareTape closing in the same
     # graph (or eagerly, both eager) wrote under it.
-    _open_plain().append((weakref.ref(instance), _versions.current_key()))
+    key = _versions.current_key()
+    _open_plain().append((weakref.ref(instance), key))
+    held = instance.__dict__.pop(_HELD, None)
+    if held is not None:
+        _versions.closed_tapes.discard(instance)
+        written = instance.__dict__.pop(_WRITTEN, {})
+        if held[0] is key:
+            _versions.resume_holder(instance, held[1], written)
 
 
 def _closed(instance: Any) -> None:
@@ -165,7 +175,16 @@ def _closed(instance: Any) -> None:
         if opened[i][0]() is instance:
             del opened[i]
             break
+    held = _versions.held_by(instance)
     _versions.release_holder(instance)
+    if held:
+        # It may be entered again (a persistent tape, an accumulator): it then
+        # goes on from the versions it held, so note the writes made meanwhile,
+        # as for a closed AssignAwareTape (``_versions.note_write_while_closed``).
+        setattr(instance, _HELD, (_versions.current_key(), held))
+        setattr(instance, _WRITTEN, {})
+        _versions.closed_tapes.add(instance)
+        lease(instance)
 
 
 def refuse_recorders_outside_body(scope: Any, var: Any, op_name: str) -> None:

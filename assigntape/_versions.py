@@ -225,6 +225,39 @@ def close_scope(scope: Scope, tape: "AssignAwareTape", holders: Sequence[Any] = 
             _drop(scope)
 
 
+def held_by(holder: Any) -> Dict[str, Tuple[Any, Any]]:
+    """The versions ``holder`` (a plain tape or forward accumulator closing)
+    holds in the current graph: unique id -> (handle, variable)."""
+    scope = _scopes().get(current_key())
+    if scope is None or scope.tapes or not any(h is holder for h in scope.holders):
+        return {}
+    return {uid: (handle, scope.owners[id(handle)]) for uid, handle in scope.current.items() if id(handle) in scope.owners}
+
+
+def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any]) -> None:
+    """A plain tape or forward accumulator that held versions (``held_by``) is
+    entered again, in the same graph, with no tape of ours open there: it goes
+    on from them, except for the variables written meanwhile (``written``, by
+    id of their own handle), whose own handle is current: for it such a write
+    is one it did not record, as under ``stop_recording``."""
+    key = current_key()
+    if key in _scopes():
+        return
+    entries = [(uid, h, var) for uid, (h, var) in held.items() if id(canonical_handle(var)) not in written]
+    if not entries:
+        return
+    scope = _scopes()[key] = Scope(key)
+    with _all_lock:
+        _all_scopes.append(scope)
+    scope.holders = [holder]
+    for uid, handle, var in entries:
+        scope.current[uid] = handle
+        scope.owners[id(handle)] = var
+        scope.pinned.append(handle)
+        scope.seen.add(uid)
+        scope.canonical[id(canonical_handle(var))] = var
+
+
 def release_holder(instance: Any) -> None:
     """A plain tape or forward accumulator closes: the scopes of this thread
     that it held, and nothing else holds, are dropped."""

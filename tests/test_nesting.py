@@ -247,6 +247,50 @@ def test_plain_tape_reads_after_the_aware_tape_inside_it_closed(mode, then):
     np.testing.assert_allclose([float(gx), float(gc), float(dc)], expected, rtol=1e-6)
 
 
+@modes
+@pytest.mark.parametrize("recorder", ["plain tape", "forward accumulator"])
+@pytest.mark.parametrize("between", ["nothing", "a write", "a write in a function"])
+@pytest.mark.parametrize("second", ["reads", "aware tape writes"])
+def test_a_recorder_entered_again_goes_on_from_the_versions_it_held(mode, recorder, between, second):
+    """A persistent plain tape (or an accumulator) held the versions of an
+    AssignAwareTape that closed inside it; exited and entered again, it goes
+    on from them, as the rewrite does. A write made while it was closed is
+    one it did not record: the value written, with no gradient path."""
+    with AssignAwareTape():
+        pass  # installed before the recorder opens
+    v, a = tf.Variable(2.0, dtype=tf.float64), tf.Variable(3.0, dtype=tf.float64)
+    set_v = tf.function(lambda: v.assign(tf.constant(5.0, tf.float64)))
+
+    def program():
+        v.assign(2.0)
+        if recorder == "plain tape":
+            outer = tf.GradientTape(persistent=True)
+        else:
+            outer = tf.autodiff.ForwardAccumulator(a, tf.constant(1.0, tf.float64))
+        with outer:
+            if recorder == "plain tape":
+                outer.watch(a)
+            with AssignAwareTape():
+                v.assign(v * a)  # 2a
+        if between == "a write":
+            v.assign(5.0)
+        elif between == "a write in a function":
+            set_v()
+        with outer:
+            if second == "aware tape writes":
+                with AssignAwareTape():
+                    v.assign(v * a)
+                y = v * 1.0
+            else:
+                y = v * a
+        return outer.gradient(y, a) if recorder == "plain tape" else outer.jvp(y)
+
+    got = run(mode, program)
+    # The rewrite: v1 = 2a (or 5, a constant, if written between), y = v1 a.
+    expected = 2.0 * 2 * 3.0 if between == "nothing" else 5.0
+    np.testing.assert_allclose(float(got), expected, rtol=1e-12)
+
+
 def test_a_plain_tape_outside_a_function_is_not_held_by_a_tape_inside_it():
     """Versions made in a tf.function's graph end with it: a plain tape open
     eagerly around the call sees the function as a whole (plain TensorFlow)."""
