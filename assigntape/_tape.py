@@ -290,7 +290,7 @@ class AssignAwareTape(tf.GradientTape):
 
     @staticmethod
     def _require_variable(variable: Any, method: str) -> Any:
-        var = _as_tf_variable(variable)
+        var = _versions.gradient_variable(variable)
         if var is None:
             raise NotAVariableError(
                 f"{method}() takes a tf.Variable or a Keras variable, got "

@@ -926,8 +926,21 @@ def resolve(x: Any) -> Optional[Any]:
         if component is not None:
             x = x._get_on_device_or_primary()
             continue
-        x = next((attributes[a] for a in _WRAPPED_IN if a in attributes), None)
+        inner = next((attributes[a] for a in _WRAPPED_IN if a in attributes), None)
+        if inner is None and isinstance(x, _BASE_VARIABLE):
+            # A BaseResourceVariable subclass with no handle of its own that
+            # keeps the variable it delegates to under another name.
+            inner = _delegate(attributes)
+        x = inner
     return None
+
+
+def _delegate(attributes: Dict[str, Any]) -> Optional[Any]:
+    """The one ``BaseResourceVariable`` among a wrapper's attributes, which
+    it must be delegating to; None if there is none, or more than one (no
+    way to tell which it stands for)."""
+    found = [value for value in attributes.values() if isinstance(value, _BASE_VARIABLE)]
+    return found[0] if len(found) == 1 else None
 
 
 def gradient_variable(x: Any) -> Optional[Any]:
@@ -942,7 +955,16 @@ def gradient_variable(x: Any) -> Optional[Any]:
             "which no gradient tape takes as a whole: give its shards instead "
             "(v.variables), as sources or targets, and concatenate their gradients."
         )
-    return resolve(x)
+    var = resolve(x)
+    if var is None and isinstance(x, _BASE_VARIABLE):
+        from assigntape._errors import NotAVariableError
+
+        raise NotAVariableError(
+            f"{getattr(x, 'name', type(x).__name__)!r} ({type(x).__name__}) stands for no single "
+            "tf.Variable the tape can find: it has no handle of its own and does not hold exactly "
+            "one variable to delegate to. Give the tape the variable it wraps instead."
+        )
+    return var
 
 
 def differentiable(var: Any) -> bool:

@@ -160,6 +160,26 @@ def _functional_other_device():
             "fused_kernel": grads(step), "scatter": grads(scatter), "two_writes": grads(two_writes)}
 
 
+def test_central_storage_strategy_meta_step_matches_one_device():
+    """CentralStorageStrategy's variables are AggregatingVariables kept on one
+    device: in cross-replica context, eager and compiled, the step gives the
+    rewrite's meta-gradients and weights; an aggregated write in a replica's
+    tape is refused by name (Known limits)."""
+    from helpers.central_storage import LR, W0 as CS_W0, X
+
+    out = _helper_output("central_storage")
+    assert out["type"] == "AggregatingVariable"
+    d_lr, d_w, w1 = _functional(X, CS_W0, LR)
+    for mode in ("eager", "function"):
+        got_lr, got_w, got_w1 = out[mode]
+        np.testing.assert_allclose(got_lr, d_lr, rtol=1e-5, err_msg=mode)
+        np.testing.assert_allclose(got_w, d_w, rtol=1e-5, err_msg=mode)
+        np.testing.assert_allclose(got_w1, w1, rtol=1e-6, err_msg=mode)
+    refused = out["replica"]
+    assert refused["error"] == "UntrackedWriteError", refused
+    assert "cross-replica update of variable" in refused["message"] and "MEAN" in refused["message"]
+
+
 def test_compiled_writes_to_a_variable_on_another_device():
     """A version made in a graph is read on the variable's device, not the
     function's: compiled equals eager equals the rewrite, for a variable placed

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from assigntape import AssignAwareTape
+from assigntape import AssignAwareTape, NotAVariableError
+from tensorflow.python.ops import resource_variable_ops
 from helpers.wrapped_variables_two_devices import EXPECTED, W0, X0, program
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -151,3 +152,53 @@ def test_aggregating_variables_on_two_devices():
     for case, got in results["cases"].items():
         for key, value in EXPECTED.items():
             np.testing.assert_allclose(got[key], value, rtol=1e-6, err_msg=f"{case}: {key}")
+
+
+class _Delegating(resource_variable_ops.BaseResourceVariable):
+    """A ``BaseResourceVariable`` subclass with no handle of its own that
+    delegates to a variable it keeps under a name assigntape was never told."""
+
+    def __init__(self, inner: Any) -> None:  # no super().__init__: no _handle
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def assign_sub(self, *args: Any, **kwargs: Any) -> Any:
+        return self._inner.assign_sub(*args, **kwargs)
+
+    def _dense_var_to_tensor(self, *args: Any, **kwargs: Any) -> Any:
+        return self._inner._dense_var_to_tensor(*args, **kwargs)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_any_delegating_variable_subclass_stands_for_its_variable(compiled):
+    inner, lr = tf.Variable([1.0, 2.0]), tf.Variable(0.5)
+    w = _Delegating(inner)
+
+    def step() -> Any:
+        with AssignAwareTape() as tape:
+            w.assign_sub(lr * tf.convert_to_tensor(w))
+            loss = tf.reduce_sum(tf.convert_to_tensor(w) * 3.0)
+        return tape.gradient(loss, [lr, w]), tape.versions(w)
+
+    (d_lr, d_w), versions = (tf.function(step) if compiled else step)()
+    # w1 = w0 (1 - lr): d/d lr = -3 sum(w0) = -9, d/d w0 = 3 (1 - lr).
+    np.testing.assert_allclose(float(d_lr), -9.0)
+    np.testing.assert_allclose(d_w.numpy(), [1.5, 1.5])
+    assert len(versions) == 2
+
+
+def test_a_wrapper_with_no_variable_to_find_is_refused_by_name():
+    class _Opaque(resource_variable_ops.BaseResourceVariable):
+        name = "opaque_weights"
+
+        def __init__(self, a: Any, b: Any) -> None:
+            self._a, self._b = a, b  # two variables: which one would it be?
+
+    w = _Opaque(tf.Variable(1.0), tf.Variable(2.0))
+    with AssignAwareTape() as tape:
+        y = tf.constant(1.0)
+    for call in (lambda: tape.gradient(y, w), lambda: tape.versions(w), lambda: tape.gradient(w, y)):
+        with pytest.raises(NotAVariableError, match="'opaque_weights'.*the variable it wraps"):
+            call()
