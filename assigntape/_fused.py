@@ -12,7 +12,7 @@ order of operations as the CPU kernel, so that the values agree to round-off;
 
 The real kernel still computes the values the program sees. The tape uses the
 functional form only for the gradient: each written variable's new version is
-recorded as an identity of its functional value (``_patches._fused_write``), so
+recorded as an identity of its functional value (``_writes.fused_write``), so
 the backward pass is TensorFlow's own gradient of the form. That makes it
 correct to any order and for complex dtypes, and it reaches every input: the
 previous versions of the variable and of each slot, the gradient tensor and

@@ -10,14 +10,9 @@ puts back the exact original objects:
 * ``BaseResourceVariable._handle`` gets a data descriptor that answers with the
   current version (see ``_versions``).
 * The Python wrappers of the ops that write variables (``gen_*_ops.<op>``, and
-  the same functions as ``tf.raw_ops.<Op>``) get a wrapper. For an op with a
-  gradient rule in ``_rules.RULES`` it performs the real write, then makes the
-  new version and records it on the tape (inside a ``tf.cond`` branch or a
-  loop body, see ``_control_flow``). A fused optimizer kernel
-  (``ResourceApply*``, rules in ``_fused``) makes a version of the variable and
-  of every slot it writes. For the other writes (``_rules.refused``: the XLA
-  concat write, ...), which have no rule, it refuses the write (or cuts the
-  gradient, by option).
+  the same functions as ``tf.raw_ops.<Op>``) get the wrapper ``_writes``
+  builds for them: what happens on a write lives there. The raw read ops get
+  one too (a kept handle reads the current version).
 * A few functions and methods, each wrapped for one topic with its own module:
   see ``_attribute_patches``.
 
@@ -33,7 +28,7 @@ from __future__ import annotations
 import operator
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import tensorflow as tf
 from assigntape._tf import (
@@ -44,28 +39,23 @@ from assigntape._tf import (
     cond_v2,
     distribute_lib,
     distribute_utils,
-    dtypes,
     eager_tape,
     forwardprop,
     gen_array_ops,
     gen_resource_variable_ops,
     gen_state_ops,
     gen_training_ops,
-    indexed_slices,
     ops,
-    pywrap_tfe,
-    record,
     resource_variable_ops,
     standard_ops,
     state_ops,
-    tensor_lib,
     tpu_ops,
     v1_optimizer,
     while_v2,
 )
 
-from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _plain_tapes, _rules, _versions
-from assigntape._wrapping import Wrapper, bind
+from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _plain_tapes, _rules, _versions, _writes
+from assigntape._wrapping import Wrapper
 
 __all__ = ["acquire", "release", "installed", "uninstall"]
 
@@ -85,236 +75,6 @@ def _snake(op_name: str, module: Any) -> str:
         if name.replace("_", "") == key and not name.endswith("_eager_fallback"):
             return name
     raise LookupError(op_name)
-
-
-def _tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Callable[..., Any]:
-    def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-        arguments = bind(params, args, kwargs)
-        handle = arguments.get(rule.resource_arg)
-        found = _versions.owner(handle)
-        if found is None or not _versions.differentiable(found[1]):
-            _versions.refuse_other_thread(handle, None, op_name)
-            if found is None:
-                _versions.unknown_variable_write(handle, op_name)
-            _versions.note_write_while_closed(handle)
-            return wrapped(*args, **kwargs)
-        scope, var = found
-        _versions.refuse_other_thread(handle, var, op_name)
-        branch = _versions.check_writable_here(scope, var, op_name)
-        around = _versions.branch_around(scope)
-        if around is None and branch is None and scope.key is not None:
-            _plain_tapes.refuse_recorders_outside_body(scope, var, op_name)
-        for name in rule.value_args:
-            arguments[name] = ops.convert_to_tensor(arguments[name], dtype=var.dtype)
-        _versions.refuse_foreign_inputs(var, op_name, [arguments[name] for name in rule.value_args])
-        if branch is not None:
-            return _control_flow.branch_write(op_name, rule, wrapped, arguments, branch, var)
-        if around is not None:
-            # A tape opened inside another tape's cond branch or loop body: the
-            # write is that body's (so that it leaves the body for the outer
-            # tape), and this tape's version is the body's new handle.
-            old = scope.current.get(var._unique_id, around.version_of(var))
-            result = _control_flow.branch_write(op_name, rule, wrapped, arguments, around, var)
-            recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
-            scope.advance(var, old, around.versions[var._unique_id], _versions.WriteRecord(op_name, recorded=recorded))
-            return result
-        old = scope.current_version(var)
-        write = rule.prepare(var, old, arguments)
-        old_shape = None if var.shape.is_fully_defined() else _versions.dynamic_shape(old)
-        forward = _forward_value(rule, var, old, write, arguments)
-        # The real write. If it raises (bad shape or dtype, duplicate indices),
-        # nothing below runs: the tape and the variable stay as they were.
-        if write.checks:
-            with ops.control_dependencies(write.checks):
-                result = wrapped(**arguments)
-        else:
-            result = wrapped(**arguments)
-        _versions.note_write_while_closed(handle, var)
-        if scope.key is None or result is None:
-            new = _versions.new_version(old, result)
-        else:
-            new = _control_flow.symbolic_version(var, old, result, write.inputs, write.backward)
-        if write.reads_old:
-            # A partial write reads the old value, but a variable that was never
-            # read is not watched yet, and an unwatched input is not recorded:
-            # its gradient would be lost. (Watching after the write is enough:
-            # what counts is that the old handle is watched when recording.)
-            resource_variable_ops.variable_accessed(var)
-        record.record_operation_backprop_only(op_name, [new], write.inputs, write.backward)
-        if forward is not None:
-            # Forward accumulators: the new version's tangent is the functional
-            # value's, whose ops TensorFlow differentiates forward.
-            record.record_operation_forwardprop_only(op_name, [new], [forward], _identity_backward, None)
-        recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
-        scope.advance(var, old, new, _versions.WriteRecord(op_name, recorded=recorded, old_shape=old_shape))
-        return result
-
-    return wrapper
-
-
-def _fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> Callable[..., Any]:
-    """The wrapper of a fused optimizer kernel (``ResourceApply*``), which
-    writes a variable and its slots in one op (see ``_fused``).
-
-    Before the kernel runs, the previous version of every resource it writes
-    is read, recorded, so that TensorFlow's own tape connects the kernel's
-    functional form to those versions, the gradient and the hyperparameters.
-    The real kernel then computes the values the program sees. Each written
-    variable gets a new version, recorded as an identity of its functional
-    value: the backward pass is TensorFlow's gradient of the form, correct to
-    any order.
-    """
-
-    def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-        arguments = bind(params, args, kwargs)
-        handles = {name: arguments.get(name) for name in kernel.writes}
-        owners = {name: _versions.owner(handle) for name, handle in handles.items()}
-        for name, handle in handles.items():
-            owner = owners[name]
-            _versions.refuse_other_thread(handle, None if owner is None else owner[1], op_name)
-        found = {name: f for name, f in owners.items() if f is not None and _versions.differentiable(f[1])}
-        if not found:
-            for name, handle in handles.items():
-                if owners[name] is None:
-                    _versions.unknown_variable_write(handle, op_name)
-                _versions.note_write_while_closed(handle)
-            return wrapped(*args, **kwargs)
-        tracked = {name: var for name, (_, var) in found.items()}
-        # Every handle the op is given is found in the scope of the graph being built.
-        scope, first = next(iter(found.values()))
-        branch = _versions.check_writable_here(scope, first, op_name)
-        around = _versions.branch_around(scope)
-        if around is None and branch is None and scope.key is not None:
-            _plain_tapes.refuse_recorders_outside_body(scope, first, op_name)
-        for name in kernel.inputs:
-            # Numbers become tensors of the variable's dtype, once, for the kernel
-            # and the form alike; a tensor of another dtype is left for the kernel
-            # to refuse with TensorFlow's own error.
-            if name in arguments and not isinstance(arguments[name], tensor_lib.Tensor):
-                arguments[name] = ops.convert_to_tensor(arguments[name], dtype=first.dtype)
-        _versions.refuse_foreign_inputs(first, op_name, [arguments.get(name) for name in kernel.inputs])
-        checks: List[Any] = []
-        if kernel.sparse:
-            arguments["indices"] = ops.convert_to_tensor(arguments["indices"])
-            checks = _fused.no_duplicates(arguments["indices"], first.name, op_name)
-        if branch is not None:
-            return _control_flow.fused_branch_write(op_name, kernel, wrapped, arguments, branch, tracked, checks)
-        if around is not None:
-            # A tape opened inside another tape's cond branch or loop body: as
-            # for one variable above, the body's writes, and this tape's versions.
-            olds = {uid: scope.current.get(uid, around.version_of(var)) for uid, var in
-                    ((var._unique_id, var) for var in tracked.values())}
-            result = _control_flow.fused_branch_write(op_name, kernel, wrapped, arguments, around, tracked, checks)
-            recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
-            for name in _fused.written(kernel, arguments):
-                var = tracked.get(name)
-                if var is not None:
-                    uid = var._unique_id
-                    scope.advance(var, olds[uid], around.versions[uid], _versions.WriteRecord(op_name, recorded=recorded))
-            return result
-        # The previous versions: a tracked variable's current one (whichever of
-        # its handles the op was given, it writes the same resource), else the
-        # handle given (a variable the tape does not know: no version for it).
-        old = {name: scope.current_version(tracked[name]) if name in tracked else h for name, h in handles.items()}
-        shapes = {
-            name: _versions.dynamic_shape(old[name])
-            for name, var in tracked.items()
-            if not var.shape.is_fully_defined()
-        }
-        recording = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
-        values: Dict[str, Any] = {}
-        if recording:
-            # Watched, as a read is (a never-read variable's start-of-tape version
-            # would not be), then read before the kernel overwrites them.
-            for var in tracked.values():
-                resource_variable_ops.variable_accessed(var)
-            values = {
-                name: gen_resource_variable_ops.read_variable_op(handle, first.dtype)
-                for name, handle in old.items()
-            }
-        # In a graph, the reads (and the duplicate check) must run before the kernel.
-        with ops.control_dependencies(list(values.values()) + checks):
-            result = wrapped(**arguments)
-        for name, handle in handles.items():
-            _versions.note_write_while_closed(handle, tracked.get(name))
-        new_values = _fused.new_values(kernel, values, arguments) if recording else {}
-        for name in _fused.written(kernel, arguments):
-            var = tracked.get(name)
-            if var is None:
-                continue
-            new = _versions.new_version(old[name], result)
-            if recording:
-                record.record_operation(
-                    op_name, [new], [new_values[name]], _identity_backward, forward_function=lambda t: [t]
-                )
-            write = _versions.WriteRecord(op_name, recorded=recording, old_shape=shapes.get(name))
-            scope.advance(var, old[name], new, write)
-        return result
-
-    return wrapper
-
-
-def _forward_value(rule: _rules.Rule, var: Any, old: Any, write: _rules.Write, arguments: Dict[str, Any]) -> Any:
-    """The write's new value as plain ops on the previous version, when a
-    ``ForwardAccumulator`` has a tangent for an input of the write (else None):
-    computed before the write, which overwrites the previous value."""
-    if not write.inputs:
-        return None
-    # In a function, an accumulator watches the handle the function captured
-    # (as TensorFlow's does: convert_to_tensor of the eager handle), not the
-    # eager handle a variable not yet written here is known by.
-    _, tangents = pywrap_tfe.TFE_Py_PackJVPs([ops.convert_to_tensor(old), *write.inputs])
-    if not tangents:
-        return None
-    return rule.value(gen_resource_variable_ops.read_variable_op(old, var.dtype), arguments)
-
-
-def _identity_backward(g: Any) -> List[Any]:
-    # A read through tf.gather gives IndexedSlices; the form's ops want tensors.
-    if isinstance(g, indexed_slices.IndexedSlices):
-        return [ops.convert_to_tensor(g)]
-    return [g]
-
-
-def _resource_arguments(arguments: Dict[str, Any]) -> List[Any]:
-    """The resource tensors among an op's arguments, including those in lists
-    (an op that writes ``N`` variables takes them as one list argument)."""
-    found = []
-    for value in arguments.values():
-        for a in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(a, tensor_lib.Tensor) and a.dtype == dtypes.resource:
-                found.append(a)
-    return found
-
-
-def _untracked_write(op_name: str, params: Sequence[str]) -> Callable[..., Any]:
-    def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-        arguments = bind(params, args, kwargs)
-        handles = _resource_arguments(arguments)
-        hits = [h for h in map(_versions.owner, handles) if h is not None]
-        hits = [(scope, var) for scope, var in hits if _versions.differentiable(var)]
-        for h in handles:
-            _versions.refuse_other_thread(h, None, op_name)
-        if not hits:
-            for h in handles:
-                _versions.note_write_while_closed(h)
-            return wrapped(*args, **kwargs)
-        scope, var = hits[0]
-        _versions.refuse_or_cut(
-            [scope], var, op_name,
-            f"{op_name} wrote variable {var.name!r}, which an AssignAwareTape is tracking, "
-            "and the tape cannot differentiate that op: reads after it would credit the "
-            "previous version, a silently wrong gradient. Write with tracked ops instead "
-            "(v.assign / assign_add / assign_sub, scatter and slice writes, or a Keras 3 "
-            "optimizer, whose steps are made of them).",
-        )
-        result = wrapped(*args, **kwargs)
-        for scope, var in hits:
-            _versions.note_write_while_closed(None, var)
-            _versions.cut([scope], var, op_name, result)
-        return result
-
-    return wrapper
 
 
 def _refused_with_wrappers() -> List[str]:
@@ -361,11 +121,11 @@ def _patch_targets() -> List[Tuple[List[Tuple[Any, str]], Any, Callable[..., Any
         params = list(original.__code__.co_varnames[: original.__code__.co_argcount])
         rule = _rules.RULES.get(op_name)
         if isinstance(rule, _fused.Kernel):
-            wrapper = _fused_write(op_name, rule, params)
+            wrapper = _writes.fused_write(op_name, rule, params)
         elif rule is not None:
-            wrapper = _tracked_write(op_name, rule, params)
+            wrapper = _writes.tracked_write(op_name, rule, params)
         else:
-            wrapper = _untracked_write(op_name, params)
+            wrapper = _writes.untracked_write(op_name, params)
         # The snake-case wrapper and the raw op (`module.OpName`, which
         # tf.raw_ops also holds) are separate functions with the same code.
         places = [(module, snake)]
@@ -384,25 +144,12 @@ def _patch_targets() -> List[Tuple[List[Tuple[Any, str]], Any, Callable[..., Any
         original = vars(gen_resource_variable_ops)[_snake(op_name, gen_resource_variable_ops)]
         params = list(original.__code__.co_varnames[: original.__code__.co_argcount])
         places = [(m, op_name) for m in [gen_resource_variable_ops, *raw_modules] if op_name in vars(m)]
-        targets.append((places, vars(gen_resource_variable_ops)[op_name], _dormant(_raw_read(params))))
+        targets.append((places, vars(gen_resource_variable_ops)[op_name], _dormant(_writes.raw_read(params))))
     return targets
 
 
 # The raw ops that read a variable through a resource handle, differentiably.
 _RAW_READS = ("ReadVariableOp", "ResourceGather", "ResourceGatherNd")
-
-
-def _raw_read(params: Sequence[str]) -> Callable[..., Any]:
-    def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-        arguments = bind(params, args, kwargs)
-        handle = arguments.get("resource")
-        mapped = _versions.handle_for_read(handle)
-        if mapped is handle:
-            return wrapped(*args, **kwargs)
-        arguments["resource"] = mapped
-        return wrapped(**arguments)
-
-    return wrapper
 
 
 # Built on first use and kept, grouped by the module that holds them, so that

@@ -376,7 +376,7 @@ for _combine in ("update", "add", "sub", "min", "max"):
 # The fused optimizer kernels of tf.compat.v1.train and tf_keras.optimizers.legacy
 # write a variable and its slots in one op: their rules are ``_fused.Kernel``s
 # (the functional form of every value the kernel writes), not ``Rule``s, and
-# ``_patches._fused_write`` applies them.
+# ``_writes.fused_write`` applies them.
 RULES.update(_fused.KERNELS)
 
 # The fused kernels' prefixes: a kernel without a rule in ``_fused`` (one a future

@@ -175,15 +175,21 @@ def _body_program(where: str, kind: str, outer_cls: Any, v: Any, a: Any) -> Any:
             g_a, g_v = inner.gradient(y, [a, v])
             return acc + y + g_a + g_v
 
-        zero = tf.constant(0.0, tf.float64)
-        if where == "cond":
-            acc = tf.cond(a > 0, lambda: inner_step(zero), lambda: zero)
-        else:
-            acc = zero
-            for _ in tf.range(2):
-                acc = inner_step(acc)
+        acc = _in_body(where, a, inner_step)
         loss = acc + 10.0 * v
     return outer.gradient(loss, a), acc
+
+
+def _in_body(where: str, a: Any, step: Any) -> Any:
+    """``step`` from zero in a ``tf.cond`` branch, or twice in a graph loop
+    (``tf.range``; a Python loop eagerly)."""
+    zero = tf.constant(0.0, tf.float64)
+    if where == "cond":
+        return tf.cond(a > 0, lambda: step(zero), lambda: zero)
+    acc = zero
+    for _ in tf.range(2):
+        acc = step(acc)
+    return acc
 
 
 def _body_rewrite(where: str, kind: str) -> Any:
@@ -246,14 +252,7 @@ def _refused_program(where: str, outer_cls: Any, v: Any, a: Any) -> Any:
                 y = v * v
             return acc + y + inner.gradient(y, a)
 
-        zero = tf.constant(0.0, tf.float64)
-        if where == "cond":
-            acc = tf.cond(a > 0, lambda: inner_step(zero), lambda: zero)
-        else:
-            acc = zero
-            for _ in tf.range(2):
-                acc = inner_step(acc)
-    return acc
+        return _in_body(where, a, inner_step)
 
 
 @pytest.mark.parametrize("where", ["cond", "loop"])

@@ -22,7 +22,7 @@ from tensorflow.python.client import pywrap_tf_session
 from tensorflow.python.ops import gen_stateful_random_ops, gen_tpu_ops
 
 from assigntape import AssignAwareTape, UntrackedWriteError
-from assigntape import _functions, _patches, _rules
+from assigntape import _functions, _patches, _rules, _writes
 
 
 def _registry() -> Dict[str, op_def_pb2.OpDef]:
@@ -238,7 +238,7 @@ def test_a_resource_in_a_list_argument_is_found():
     # Ops that write N variables take them as one list argument.
     v = tf.Variable([1.0, 2.0], name="listed_resource")
     calls = []
-    wrapper = _patches._untracked_write("FakeWriteN", ["resources", "name"])
+    wrapper = _writes.untracked_write("FakeWriteN", ["resources", "name"])
     with AssignAwareTape():
         _ = v * 1.0
         with pytest.raises(UntrackedWriteError) as info:
