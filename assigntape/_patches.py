@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import operator
 import sys
-import threading
 from typing import Any, Callable, Dict, List, Tuple
 
 import tensorflow as tf
@@ -54,14 +53,12 @@ from assigntape._tf import (
     while_v2,
 )
 
-from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _plain_tapes, _rules, _versions, _writes
+from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _leases, _plain_tapes, _rules, _versions, _writes
 from assigntape._wrapping import Wrapper
 
 __all__ = ["acquire", "release", "installed", "uninstall"]
 
 _ABSENT = object()
-_lock = threading.Lock()
-_users = 0  # open tapes, and tapes that may still need the patches (leases)
 _installed = False
 _saved: List[Tuple[Any, str, Any]] = []
 
@@ -323,19 +320,17 @@ def _uninstall() -> None:
 
 def acquire() -> None:
     """One more tape that needs the patches; the first installs them."""
-    global _users, _installed
-    with _lock:
+    global _installed
+    with _leases.lock:
         if not _installed:
             _install()
             _installed = True
-        _users += 1
+        _leases.take()
 
 
 def release() -> None:
     """One tape fewer. The patches stay (dormant) until ``uninstall``."""
-    global _users
-    with _lock:
-        _users -= 1
+    _leases.give()
 
 
 def uninstall() -> None:
@@ -358,10 +353,11 @@ def uninstall() -> None:
 
     # Closed tapes waiting in reference cycles hold leases: let them go first.
     gc.collect()
-    with _lock:
-        if _users:
+    with _leases.lock:
+        users = _leases.count()
+        if users:
             raise RuntimeError(
-                f"assigntape.uninstall(): {_users} tape(s) still need the patches: an open "
+                f"assigntape.uninstall(): {users} tape(s) still need the patches: an open "
                 "AssignAwareTape, a closed one that may be entered again or asked for "
                 "gradients, or a tf.GradientTape that ran beside one. Let them go (del, "
                 "or leave their scope), then call uninstall() again."

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from assigntape._tf import ControlFlowFuncGraph, forwardprop, gen_resource_variable_ops, nest, UnconnectedGradients
 
-from assigntape import _versions
+from assigntape import _leases, _versions
 from assigntape._wrapping import bind
 
 __all__ = [
@@ -51,16 +51,10 @@ _WRITTEN = "_written_while_closed"
 _tls = threading.local()
 
 
-_aware: Any = None  # AssignAwareTape, imported on first use (it imports this module)
-
-
 def _is_plain(instance: Any) -> bool:
-    global _aware
-    if _aware is None:
-        from assigntape._tape import AssignAwareTape
-
-        _aware = AssignAwareTape
-    return not isinstance(instance, _aware)
+    # AssignAwareTape marks itself (a class attribute) rather than being
+    # imported here: it imports this module.
+    return not getattr(instance, "_assigntape_aware", False)
 
 
 def _snapshot() -> Optional[Dict[str, Any]]:
@@ -248,10 +242,10 @@ def note_closing() -> List[Any]:
 def lease(instance: Any) -> None:
     """Keeps the patches installed until ``instance`` is garbage."""
     if getattr(instance, _LEASE, None) is None:
-        from assigntape import _patches
-
-        _patches.acquire()
-        setattr(instance, _LEASE, weakref.finalize(instance, _patches.release))
+        # The patches are installed: a plain tape has versions to keep only
+        # beside a tape of ours.
+        _leases.take()
+        setattr(instance, _LEASE, weakref.finalize(instance, _leases.give))
 
 
 def _map(x: Any, versions: Optional[Dict[str, Any]], open_now: bool) -> Any:
@@ -280,8 +274,6 @@ def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any)
         # Never beside a tape of ours: plain TensorFlow (a variable means its
         # own handle, which is what TensorFlow reads from it here).
         return wrapped(*args, **kwargs)
-    from assigntape._wrapping import bind
-
     arguments = bind(("target", "sources", "output_gradients", "unconnected_gradients"), args, kwargs)
     open_now = bool(getattr(instance, "_recording", False))
     start, end = getattr(instance, _START, None), _end(instance)
@@ -306,10 +298,8 @@ def jacobian(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any)
     variable target means its version named as above. TensorFlow's jacobians
     reshape the target, which would read the variable's own handle: read the
     version here, on the tape."""
-    from assigntape._tape import _as_tf_variable
-
     target = args[0] if args else kwargs.get("target")
-    var = _as_tf_variable(target) if _is_plain(instance) else None
+    var = _versions.resolve(target) if _is_plain(instance) else None
     if var is None:
         return wrapped(*args, **kwargs)
     handle = _map(var, _end(instance), bool(getattr(instance, "_recording", False)))

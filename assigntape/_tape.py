@@ -56,6 +56,8 @@ class AssignAwareTape(tf.GradientTape):
 
     # An internal tape that only makes versions for forward mode (``_forward``).
     _forward_only = False
+    # How the modules below tell it from a plain tape without importing it.
+    _assigntape_aware = True
 
     def __init__(
         self,

@@ -39,6 +39,8 @@ from assigntape._tf import (
     tensor_lib,
 )
 
+from assigntape._errors import ControlFlowWriteError, NotAVariableError, UntrackedWriteError
+
 if TYPE_CHECKING:  # pragma: no cover
     from assigntape._tape import AssignAwareTape
 
@@ -364,9 +366,7 @@ def refuse_foreign_inputs(var: Any, op_name: str, tensors: Sequence[Any]) -> Non
                 for tape in reversed(theirs):
                     eager_tape.pop_tape(tape)
             if foreign:
-                from assigntape._errors import UntrackedWriteError
-
-                raise UntrackedWriteError(
+                        raise UntrackedWriteError(
                     f"A cross-replica update of variable {var.name!r} by {op_name} uses a value "
                     "computed by another replica (not this one), while AssignAwareTapes are open "
                     "in the replicas: this replica's tape cannot follow its gradient, a silently "
@@ -429,8 +429,6 @@ def refuse_other_thread(handle: Any, var: Optional[Any], op_name: str) -> None:
     credits its own version."""
     found = tracked_in_other_thread(handle, var)
     if found is not None and differentiable(found):
-        from assigntape._errors import UntrackedWriteError
-
         raise UntrackedWriteError(
             f"{op_name} to variable {found.name!r} from thread {threading.current_thread().name!r}, "
             "while an AssignAwareTape open in another thread has read or written it: that "
@@ -445,8 +443,6 @@ def refuse_or_cut(scopes: List[Scope], var: Any, what: str, message: str) -> Non
     tape there passed ``untracked_writes="cut"``, in which case warn. Call it
     before the write, so that a refusal leaves the variable and the tapes as
     they were, and ``cut`` after it."""
-    from assigntape._errors import UntrackedWriteError
-
     if any(scope.refuses_untracked() for scope in scopes):
         raise UntrackedWriteError(
             message + " Or pass AssignAwareTape(untracked_writes='cut') to treat the write as a "
@@ -511,8 +507,6 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
         tape._pop_tape()
     try:
         # As a read would: watched, so that the tapes opened since record it.
-        from assigntape._tf import resource_variable_ops
-
         resource_variable_ops.variable_accessed(var)
         record.record_operation("Identity", [new], [own], lambda g: [g], forward_function=lambda t: [t])
     finally:
@@ -533,8 +527,6 @@ def zeros_like_source(source: Any, handle: Any, shape: Any = None) -> Any:
     """Zeros for a gradient ``source``: a variable (``handle`` its version),
     whose shape is the variable's, or ``shape`` where given (a version's shape
     when the variable's is not fully defined), or else the resource's now."""
-    from assigntape._tf import array_ops
-
     var = resolve(source)
     if var is None:
         return array_ops.zeros_like(source)
@@ -545,8 +537,6 @@ def zeros_like_source(source: Any, handle: Any, shape: Any = None) -> Any:
 
 def dynamic_shape(handle: Any) -> Any:
     """The shape of the variable behind ``handle`` now, as a tensor."""
-    from assigntape._tf import gen_resource_variable_ops
-
     with record.stop_recording():
         return gen_resource_variable_ops.variable_shape(handle)
 
@@ -697,8 +687,6 @@ def refuse_unnamed(scope: Scope, var: Any, handle: Any) -> None:
     found = scope.unnamed.get(id(handle))
     if found is None or found[0] is not handle:
         return
-    from assigntape._errors import UntrackedWriteError
-
     raise UntrackedWriteError(
         f"{'A variable' if var is None else f'Variable {var.name!r}'} was written by {found[1]} through a resource handle that no "
         "open AssignAwareTape could name (the variable was created before assigntape's "
@@ -836,8 +824,6 @@ def check_writable_here(scope: Scope, var: Any, op_name: str) -> Any:
     branch = _current_branch()
     if branch is not None and branch.scope is scope:
         return branch
-    from assigntape._errors import ControlFlowWriteError
-
     raise ControlFlowWriteError(
         f"{op_name} to variable {var.name!r} inside a graph body the tape cannot "
         "follow (a tf.function called inside the tape's function, tf.switch_case, or "
@@ -948,8 +934,6 @@ def gradient_variable(x: Any) -> Optional[Any]:
     ``ShardedVariable`` (a parameter-server variable split in shards) with the
     fix, where TensorFlow's own tapes fail with an AttributeError."""
     if isinstance(x, ShardedVariable):
-        from assigntape._errors import NotAVariableError
-
         raise NotAVariableError(
             f"{x.name!r} is a ShardedVariable (a variable split across parameter servers), "
             "which no gradient tape takes as a whole: give its shards instead "
@@ -957,8 +941,6 @@ def gradient_variable(x: Any) -> Optional[Any]:
         )
     var = resolve(x)
     if var is None and isinstance(x, _BASE_VARIABLE):
-        from assigntape._errors import NotAVariableError
-
         raise NotAVariableError(
             f"{getattr(x, 'name', type(x).__name__)!r} ({type(x).__name__}) stands for no single "
             "tf.Variable the tape can find: it has no handle of its own and does not hold exactly "

@@ -14,7 +14,7 @@ from tensorflow.python.ops import resource_variable_ops as rvo
 from assigntape import AssignAwareTape
 from assigntape import _versions
 
-from assigntape import _patches
+from assigntape import _leases, _patches
 
 PATCHED = _patches.patched_places()
 
@@ -260,7 +260,7 @@ def test_ten_thousand_tapes_leave_nothing_behind():
     assert growth < 32 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB"
     assert not getattr(_versions._tls, "scopes", None)
     gc.collect()
-    assert not _patches._users and not _versions.closed_tapes  # no tape holds on
+    assert not _leases.count() and not _versions.closed_tapes  # no tape holds on
 
 
 def _in_thread(fn):

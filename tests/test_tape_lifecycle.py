@@ -143,28 +143,28 @@ def test_reentered_tape_sees_a_function_write_made_while_it_was_closed():
 
 
 def test_a_closed_tape_stops_watching_once_it_is_gone():
-    from assigntape import _patches, _versions
+    from assigntape import _leases, _versions
 
     v = tf.Variable(1.0)
     tape = AssignAwareTape()
     with tape:
         v.assign(2.0)
-    assert _patches._users and tape in _versions.closed_tapes  # it may be entered again
+    assert _leases.count() and tape in _versions.closed_tapes  # it may be entered again
     del tape
     gc.collect()
-    assert not _patches._users and not _versions.closed_tapes
+    assert not _leases.count() and not _versions.closed_tapes
 
 
 def test_non_persistent_tape_lets_the_patches_go_at_its_gradient():
-    from assigntape import _patches
+    from assigntape import _leases
 
     gc.collect()
     v, a = tf.Variable(1.0), tf.Variable(2.0)
     with AssignAwareTape() as tape:
         v.assign(a * 2.0)
-    assert _patches._users == 1
+    assert _leases.count() == 1
     assert float(tape.gradient(v, a)) == 2.0  # v's latest version
-    assert not _patches._users
+    assert not _leases.count()
 
 
 def test_reset_does_not_let_new_handles_pose_as_old_versions():
