@@ -228,10 +228,16 @@ def branch_write(
     make the tape's version from it.
     """
     old = branch.version_of(var)
-    old_value = gen_resource_variable_ops.read_variable_op(old, var.dtype)
     # The rule's checks (duplicate indices) guard the write here as anywhere
     # (under XLA, indices known while tracing to repeat are refused right here).
     write = rule.prepare(var, old, arguments)
+    if write.reads_old:
+        # As outside a branch: the part kept from the old value needs the
+        # variable watched, or a never-read variable's gradient is lost. Before
+        # the read: a tape records the read (and the capture of an outer
+        # version into this body) only of what it watches already.
+        resource_variable_ops.variable_accessed(var)
+    old_value = gen_resource_variable_ops.read_variable_op(old, var.dtype)
     value = rule.value(old_value, arguments)
     if pywrap_tfe.TFE_Py_TapeSetIsStopped() or not branch.scope.recording():
         # Under stop_recording: a new version with no gradient path, as outside.
@@ -240,10 +246,6 @@ def branch_write(
         value = _poison_duplicates(op_name, var, arguments, value)
     with ops.control_dependencies([old_value.op, *write.checks]):
         result = wrapped(**arguments)
-    if write.reads_old:
-        # As outside a branch: the part kept from the old value needs the
-        # variable watched, or a never-read variable's gradient is lost.
-        resource_variable_ops.variable_accessed(var)
     _branch_version(branch, var, value, result)
     return result
 
@@ -270,13 +272,14 @@ def fused_branch_write(
         for name in kernel.writes
         if arguments.get(name) is not None
     }
+    # Watched before they are read, as in ``branch_write``.
+    for var in tracked.values():
+        resource_variable_ops.variable_accessed(var)
     values = {name: gen_resource_variable_ops.read_variable_op(h, dtype) for name, h in old.items()}
     new_values = _fused.new_values(kernel, values, arguments)
     stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped() or not branch.scope.recording()
     with ops.control_dependencies([v.op for v in values.values()] + checks):
         result = wrapped(**arguments)
-    for var in tracked.values():
-        resource_variable_ops.variable_accessed(var)
     for name in _fused.written(kernel, arguments):
         var = tracked.get(name)
         if var is not None:

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional
 from assigntape._tf import ControlFlowFuncGraph, forwardprop, gen_resource_variable_ops, nest, UnconnectedGradients
 
 from assigntape import _leases, _versions
+from assigntape._errors import ControlFlowWriteError
 from assigntape._wrapping import bind
 
 __all__ = [
@@ -181,33 +182,37 @@ def _closed(instance: Any) -> None:
         lease(instance)
 
 
-def refuse_recorders_outside_body(scope: Any, var: Any, op_name: str) -> None:
-    """A write on a tape opened inside a compiled cond branch or loop body
-    (``scope.key``) with no AssignAwareTape around that body: a plain tape or
-    forward accumulator recording in a graph around the body would see the
-    write's version only inside it (no tape of ours carries it out, as
-    ``_control_flow`` does for an outer AssignAwareTape), and later reads
-    outside, or the next iteration, would credit the variable's own handle.
-    Refused by name rather than answered wrong."""
-    opened = getattr(_tls, "open", None)
-    if not opened or not isinstance(scope.key, ControlFlowFuncGraph):
-        return
-    around = set()
-    graph = scope.key.outer_graph
+def _graphs_around(key: Any) -> List[Any]:
+    """For a compiled cond branch or loop body (``key``): the graphs around
+    it, up to the tf.function's own (a tape outside that sees only its call);
+    else none."""
+    around: List[Any] = []
+    graph = key.outer_graph if isinstance(key, ControlFlowFuncGraph) else None
     while graph is not None:
-        around.add(graph)
+        around.append(graph)
         if not isinstance(graph, ControlFlowFuncGraph):
-            break  # the tf.function the body is in: tapes outside it see only its call
+            break
         graph = graph.outer_graph
-    for ref, opened_in in opened:
-        instance = ref()
-        if instance is not None and opened_in in around and getattr(instance, "_recording", False):
-            from assigntape._errors import ControlFlowWriteError
+    return around
 
+
+def refuse_recorders_outside_body(scope: Any, var: Any, op_name: str) -> None:
+    """A write in a compiled cond branch or loop body (``scope.key``) where an
+    AssignAwareTape is or was open, with no AssignAwareTape around that body:
+    a plain tape or forward accumulator recording in a graph around the body
+    would see the write's version only inside it (no tape of ours carries it
+    out, as ``_control_flow`` does for an outer AssignAwareTape), and later
+    reads outside, or the next iteration, would credit the variable's own
+    handle. Refused by name rather than answered wrong."""
+    opened = getattr(_tls, "open", None)
+    around = _graphs_around(scope.key) if opened else []
+    for ref, opened_in in opened if around else ():
+        instance = ref()
+        if instance is not None and any(opened_in is g for g in around) and getattr(instance, "_recording", False):
             kind = type(instance).__name__
             raise ControlFlowWriteError(
-                f"{op_name} to variable {var.name!r} on an AssignAwareTape opened inside a "
-                f"compiled tf.cond branch or loop body, while a plain {kind} records around "
+                f"{op_name} to variable {var.name!r} in a compiled tf.cond branch or loop body "
+                f"where an AssignAwareTape is (or was) open, while a plain {kind} records around "
                 "that body: the plain tape cannot follow the new version out of the body, so "
                 "its gradient would be wrong. Make the outer tape an AssignAwareTape (it "
                 "follows writes out of branches and loop bodies), or use Python if/for there."
@@ -216,9 +221,11 @@ def refuse_recorders_outside_body(scope: Any, var: Any, op_name: str) -> None:
 
 def note_closing() -> List[Any]:
     """An ``AssignAwareTape`` is about to close: the plain tapes still open
-    here keep the versions current now as their latest. Returns the plain
-    tapes and forward accumulators open around it, in its graph: they
-    recorded its writes, so the versions must live on for them."""
+    in its graph keep the versions current now as their latest. Returns the
+    plain tapes and forward accumulators open around it, in its graph or
+    around the compiled body it is in: they recorded its writes, so the
+    versions must live on for them (and a later write in the body, which
+    they could not follow out of it, is refused: see above)."""
     opened = getattr(_tls, "open", None)
     if not opened:
         return []
@@ -226,15 +233,18 @@ def note_closing() -> List[Any]:
     if snapshot is None:
         return []
     key = _versions.current_key()
+    around = _graphs_around(key)
     holders = []
     for ref, opened_in in opened:
         instance = ref()
         if instance is None:
             continue
-        if not isinstance(instance, forwardprop.ForwardAccumulator):
-            setattr(instance, _LATEST, snapshot)
-            lease(instance)
         if opened_in is key:
+            if not isinstance(instance, forwardprop.ForwardAccumulator):
+                setattr(instance, _LATEST, snapshot)
+                lease(instance)
+            holders.append(instance)
+        elif any(opened_in is g for g in around):
             holders.append(instance)
     return holders
 

@@ -287,3 +287,90 @@ class _NullTape:
 
     def __exit__(self, *exc: Any) -> None:
         return None
+
+
+_DELTA = [0.3, -0.6]
+_FIRST_WRITES = {
+    "assign_add": (lambda v: v.assign_add(tf.constant(_DELTA, tf.float64)), lambda v0: v0 + tf.constant(_DELTA, tf.float64)),
+    "scatter_nd_update": (
+        lambda v: v.scatter_nd_update([[0]], tf.constant([0.3], tf.float64)),
+        lambda v0: tf.tensor_scatter_nd_update(v0, [[0]], tf.constant([0.3], tf.float64)),
+    ),
+}
+
+
+@pytest.mark.parametrize("outer_wrote", [False, True], ids=["fresh", "outer-wrote"])
+@pytest.mark.parametrize("write", sorted(_FIRST_WRITES))
+@pytest.mark.parametrize("where", ["cond", "loop"])
+def test_a_tape_in_a_body_whose_first_touch_is_a_write(where, write, outer_wrote):
+    # The write read the old version before the inner tape watched the
+    # variable: the read (and the capture of the outer version into the body)
+    # was not recorded, and the inner gradient by v was None.
+    v = tf.Variable([1.0, 2.0], dtype=tf.float64)
+    a = tf.Variable(_A0, dtype=tf.float64)
+    do_write, rewrite = _FIRST_WRITES[write]
+
+    def step(acc: Any) -> Any:
+        with AssignAwareTape() as inner:
+            do_write(v)
+            y = tf.reduce_sum(v * v)
+        return acc + inner.gradient(y, v)
+
+    @tf.function
+    def program() -> Any:
+        with AssignAwareTape():
+            if outer_wrote:
+                v.assign(v * 1.0)
+            zero = tf.zeros([2], tf.float64)
+            if where == "cond":
+                return tf.cond(a > 0, lambda: step(zero), lambda: zero)
+            return step(zero)  # in a one-iteration graph loop below
+
+    @tf.function
+    def in_loop() -> Any:
+        with AssignAwareTape():
+            if outer_wrote:
+                v.assign(v * 1.0)
+            acc = tf.zeros([2], tf.float64)
+            for _ in tf.range(1):
+                acc = step(acc)
+            return acc
+
+    got = (program if where == "cond" else in_loop)()
+    v0 = tf.constant([1.0, 2.0], tf.float64)
+    with tf.GradientTape() as oracle:
+        oracle.watch(v0)
+        y = tf.reduce_sum(rewrite(v0) ** 2)
+    np.testing.assert_allclose(got.numpy(), oracle.gradient(y, v0).numpy(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("then", ["writes", "reads"])
+@pytest.mark.parametrize("where", ["cond", "loop"])
+def test_a_body_that_writes_after_its_tape_closed_under_a_plain_tape(where, then):
+    # The inner AssignAwareTape closed; the plain tape around the body still
+    # follows versions (Semantics 6), but cannot follow a later write out of
+    # the body: refused. Reads only are followed, as eagerly.
+    with AssignAwareTape():
+        pass  # installed before the plain tape opens
+    v = tf.Variable(_V0, dtype=tf.float64, name="after_inner_v")
+    a = tf.Variable(_A0, dtype=tf.float64)
+
+    def step(acc: Any) -> Any:
+        with AssignAwareTape() as inner:
+            y0 = v * a
+        if then == "writes":
+            v.assign(v * a + 1.0)
+        return acc + y0 + v * v + inner.gradient(y0, a)
+
+    def program() -> Any:
+        with tf.GradientTape() as tape:
+            tape.watch(a)
+            loss = _in_body(where, a, step) + 10.0 * v
+        return tape.gradient(loss, a)
+
+    if then == "writes":
+        with pytest.raises(ControlFlowWriteError, match="'after_inner_v:0'.*plain GradientTape"):
+            tf.function(program)()
+        assert float(v.numpy()) == _V0
+    else:
+        np.testing.assert_allclose(float(tf.function(program)()), float(program()), rtol=1e-12)
