@@ -21,7 +21,7 @@ import wrapt
 from assigntape._tf import context, nest, pywrap_tfe, UnconnectedGradients
 
 from assigntape import _versions
-from assigntape._versions import WriteRecord
+from assigntape._record import Record, WriteRecord
 
 if TYPE_CHECKING:  # pragma: no cover
     from assigntape._tape import AssignAwareTape
@@ -167,11 +167,11 @@ def variable_name(var: Any, given: Any) -> str:
     return path if isinstance(path, str) else var.name
 
 
-def history(tape: "AssignAwareTape") -> History:
+def history(record: Record) -> History:
     variables: Dict[str, List[VersionRecord]] = {}
-    for uid, versions in tape._versions.items():
-        var = tape._owners[id(versions[0])]
-        writes: List[Optional[WriteRecord]] = [None, *tape._writes[uid]]
+    for uid, versions in record.versions.items():
+        var = record.owners[id(versions[0])]
+        writes: List[Optional[WriteRecord]] = [None, *record.writes[uid]]
         name = var.name
         if name in variables:  # Keras layers' variables share short names
             name = f"{name} ({uid})"
@@ -195,7 +195,8 @@ def _all_zero(g: Any) -> bool:
     return not np.any(np.asarray(g))
 
 
-def explain(tape: "AssignAwareTape", target: Any, sources: Any, as_variable: Any) -> Explanation:
+def explain(tape: "AssignAwareTape", record: Record, target: Any, sources: Any, as_variable: Any) -> Explanation:
+    """``tape.explain``: the gradients by ``tape``, the reasons from its ``record``."""
     flat = nest.flatten(sources)
     paths = [p for p, _ in nest.flatten_with_joined_string_paths(sources)]
     variables = [as_variable(s) for s in flat]
@@ -204,7 +205,7 @@ def explain(tape: "AssignAwareTape", target: Any, sources: Any, as_variable: Any
     spans = []
     for s, var in zip(flat, variables):
         start = len(expanded)
-        expanded += list(tape._versions_of(var)) if var is not None else [s]
+        expanded += list(record.versions_of(var, _versions.canonical_handle(var))) if var is not None else [s]
         spans.append((start, len(expanded)))
     grads = tape.gradient(target, expanded, unconnected_gradients=UnconnectedGradients.NONE)
     reports = []
@@ -213,9 +214,10 @@ def explain(tape: "AssignAwareTape", target: Any, sources: Any, as_variable: Any
         g0 = per_version[0]
         if var is None:
             name = f"sources[{path}]" if path else "sources"
-            reports.append(_explain_tensor(tape, name, g0))
+            reports.append(_explain_tensor(record, name, g0))
         else:
-            reports.append(_explain_variable(tape, variable_name(var, s), var, per_version))
+            watched = any(_versions.resolve(w) is var for w in tape.watched_variables())
+            reports.append(_explain_variable(record, watched, variable_name(var, s), var, per_version))
     first = [grads[lo] for lo, _ in spans]
     return Explanation(nest.pack_sequence_as(sources, first), reports)
 
@@ -227,8 +229,8 @@ _ZERO_MESSAGE = (
 )
 
 
-def _escapes(tape: "AssignAwareTape") -> str:
-    places = list(dict.fromkeys(tape._escapes))
+def _escapes(record: Record) -> str:
+    places = list(dict.fromkeys(record.escapes))
     shown = ", ".join(places[:3]) + (f" and {len(places) - 3} more" if len(places) > 3 else "")
     return (
         f"a value recorded on the tape left TensorFlow (.numpy(), float(), int(), bool()) at "
@@ -237,13 +239,13 @@ def _escapes(tape: "AssignAwareTape") -> str:
     )
 
 
-def _explain_tensor(tape: "AssignAwareTape", name: str, g: Any) -> SourceReport:
+def _explain_tensor(record: Record, name: str, g: Any) -> SourceReport:
     if g is not None:
         if _all_zero(g):
             return SourceReport(name, "zero", Reason.ZERO, _ZERO_MESSAGE)
         return SourceReport(name, "ok", Reason.OK, "")
-    if tape._escapes:
-        return SourceReport(name, "none", Reason.LEFT_TENSORFLOW, _escapes(tape))
+    if record.escapes:
+        return SourceReport(name, "none", Reason.LEFT_TENSORFLOW, _escapes(record))
     return SourceReport(
         name,
         "none",
@@ -255,7 +257,7 @@ def _explain_tensor(tape: "AssignAwareTape", name: str, g: Any) -> SourceReport:
     )
 
 
-def _explain_variable(tape: "AssignAwareTape", name: str, var: Any, per_version: Sequence[Any]) -> SourceReport:
+def _explain_variable(record: Record, watched: bool, name: str, var: Any, per_version: Sequence[Any]) -> SourceReport:
     g0 = per_version[0]
     if g0 is not None:
         if _all_zero(g0):
@@ -269,7 +271,7 @@ def _explain_variable(tape: "AssignAwareTape", name: str, var: Any, per_version:
             f"its dtype is {var.dtype.name}, which carries no gradient. Make it a "
             "floating-point variable, or cast a float value where it is used.",
         )
-    writes: List[WriteRecord] = tape._writes.get(var._unique_id, [])
+    writes: List[WriteRecord] = record.writes.get(var._unique_id, [])
     # The first later version the target does depend on: the write that made it
     # is where the start-of-tape value was cut off.
     reached = next((k for k in range(1, len(per_version)) if per_version[k] is not None), None)
@@ -302,7 +304,7 @@ def _explain_variable(tape: "AssignAwareTape", name: str, var: Any, per_version:
             "so its start-of-tape value does not matter. Its gradient as of a later "
             f"version: tape.gradient(target, tape.versions(variable)[{reached}]).",
         )
-    if not writes and not tape._watched(var):
+    if not writes and not watched:
         return SourceReport(
             name,
             "none",
@@ -312,8 +314,8 @@ def _explain_variable(tape: "AssignAwareTape", name: str, var: Any, per_version:
             "False only tape.watch()ed variables are). Check that the target is "
             "computed from it inside the `with` block.",
         )
-    if tape._escapes:
-        return SourceReport(name, "none", Reason.LEFT_TENSORFLOW, _escapes(tape))
+    if record.escapes:
+        return SourceReport(name, "none", Reason.LEFT_TENSORFLOW, _escapes(record))
     touched = f"it was written {len(writes)} times on the tape" if writes else "it was read on the tape"
     return SourceReport(
         name,
@@ -338,8 +340,8 @@ def leave_tensorflow(wrapped: Callable[..., Any], instance: Any, args: Any, kwar
     scope = _versions.eager_scope()
     if scope is not None and pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop([instance]):
         where = _caller()
-        for tape in scope.tapes:
-            tape._note_escape(where)
+        for r in scope.records:
+            r.note_escape(where)
     return wrapped(*args, **kwargs)
 
 

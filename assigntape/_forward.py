@@ -27,12 +27,9 @@ __all__ = ["ForwardAccumulator"]
 class _ForwardOnlyTape(AssignAwareTape):
     """Makes versions and watches nothing; keeps no history of them."""
 
-    _forward_only = True
-
-    def _note_write(self, var: Any, old: Any, new: Any, write: Any) -> None:
-        # Nothing asks this tape for gradients or versions: keep nothing, so
-        # that every version but the current one can go.
-        pass
+    # Nothing asks this tape for gradients or versions: it keeps nothing, so
+    # that every version but the current one can go.
+    _keeps_history = False
 
 
 def _unwrapped(primal: Any) -> Any:

@@ -183,7 +183,7 @@ def _refuse(scope: Any, var: Any, name: str, op_type: str) -> None:
         )
     # Held by a plain tape or accumulator only (the AssignAwareTape inside it
     # closed; see _plain_tapes): say which.
-    around = "an AssignAwareTape is open" if scope.tapes else (
+    around = "an AssignAwareTape is open" if scope.records else (
         "a plain tf.GradientTape or ForwardAccumulator that recorded an AssignAwareTape's writes is open"
     )
     _versions.refuse_or_cut(

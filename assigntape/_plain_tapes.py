@@ -33,6 +33,7 @@ from assigntape._tf import ControlFlowFuncGraph, forwardprop, gen_resource_varia
 
 from assigntape import _leases, _versions
 from assigntape._errors import ControlFlowWriteError
+from assigntape._record import Record
 from assigntape._wrapping import bind
 
 __all__ = [
@@ -44,9 +45,9 @@ _START = "_assigntape_start"
 _END = "_assigntape_end"
 _LEASE = "_assigntape_lease"
 _LATEST = "_assigntape_latest"
+# (the graph, the versions it held there, a Record that notes the writes
+# made while it is closed), while a recorder that held versions is closed.
 _HELD = "_assigntape_held"
-# Named as on AssignAwareTape: what ``note_write_while_closed`` fills.
-_WRITTEN = "_written_while_closed"
 
 # The plain tapes open in this thread (weak references), innermost last.
 _tls = threading.local()
@@ -158,10 +159,10 @@ def _opened(instance: Any) -> None:
     _open_plain().append((weakref.ref(instance), key))
     held = instance.__dict__.pop(_HELD, None)
     if held is not None:
-        _versions.closed_tapes.discard(instance)
-        written = instance.__dict__.pop(_WRITTEN, {})
-        if held[0] is key:
-            _versions.resume_holder(instance, held[1], written)
+        held_in, versions, record = held
+        _versions.closed_tapes.discard(record)
+        if held_in is key:
+            _versions.resume_holder(instance, versions, record.written_while_closed)
 
 
 def _closed(instance: Any) -> None:
@@ -176,9 +177,9 @@ def _closed(instance: Any) -> None:
         # It may be entered again (a persistent tape, an accumulator): it then
         # goes on from the versions it held, so note the writes made meanwhile,
         # as for a closed AssignAwareTape (``_versions.note_write_while_closed``).
-        setattr(instance, _HELD, (_versions.current_key(), held))
-        setattr(instance, _WRITTEN, {})
-        _versions.closed_tapes.add(instance)
+        record = Record(instance)
+        setattr(instance, _HELD, (_versions.current_key(), held, record))
+        _versions.closed_tapes.add(record)
         lease(instance)
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import tensorflow as tf
 from assigntape._tf import array_ops, gen_resource_variable_ops, nest, UnconnectedGradients
 
-from assigntape import _diagnostics, _patches, _plain_tapes, _versions
+from assigntape import _diagnostics, _patches, _plain_tapes, _record, _versions
 from assigntape._errors import ControlFlowWriteError, NotAVariableError
 
 __all__ = ["AssignAwareTape"]
@@ -54,8 +54,9 @@ class AssignAwareTape(tf.GradientTape):
     6.0
     """
 
-    # An internal tape that only makes versions for forward mode (``_forward``).
-    _forward_only = False
+    # False for an internal tape that only makes versions for forward mode
+    # (``_forward``): nothing asks it for gradients, so it keeps no history.
+    _keeps_history = True
     # How the modules below tell it from a plain tape without importing it.
     _assigntape_aware = True
 
@@ -73,22 +74,14 @@ class AssignAwareTape(tf.GradientTape):
         self._untracked_writes = untracked_writes
         self._scope: Optional[_versions.Scope] = None
         # Versions current when the tape was entered (written by an outer tape).
-        self._start: Dict[str, Any] = {}
-        self._start_owners: Dict[str, Any] = {}  # unique id -> variable, for _start
-        # unique id -> [version at tape start, version after each write here].
-        self._versions: Dict[str, List[Any]] = {}
-        # id(version handle) -> the tf.Variable it belongs to.
-        self._owners: Dict[int, Any] = {}
-        # unique id -> the Write behind each version after the first.
-        self._writes: Dict[str, List[_versions.WriteRecord]] = {}
-        # Where recorded values left TensorFlow (file:line), for explain().
-        self._escapes: List[str] = []
+        # Its own account of the versions it saw (``_record``): the scopes
+        # append to it, and gradient, versions, explain and history read it.
+        self._record = _record.Record(self, untracked_writes, self._keeps_history)
         # Whether the tape was entered (since construction or reset()).
         self._entered = False
         # While the tape is closed but may be entered again or asked for
-        # gradients: the patches stay installed, so that writes made meanwhile
-        # are seen (unique ids collected here), until ``_end_lease``.
-        self._written_while_closed: Dict[int, Any] = {}
+        # gradients, the patches stay installed, so that writes made meanwhile
+        # are seen (``Record.written_while_closed``), until ``_end_lease``.
         self._lease: Optional[weakref.finalize] = None
 
     # -- context ---------------------------------------------------------------
@@ -97,7 +90,8 @@ class AssignAwareTape(tf.GradientTape):
         super().__enter__()  # raises, with nothing acquired, if already recording
         _patches.acquire()
         self._end_lease()
-        scope = self._scope = _versions.open_scope(self)
+        record = self._record
+        scope = self._scope = _versions.open_scope(record)
         if not self._entered:
             self._entered = True
             self._snapshot_start(scope)
@@ -107,12 +101,10 @@ class AssignAwareTape(tf.GradientTape):
         # still open (its version is current here, and this tape did not record
         # the write) or with no tape open (noted while closed). Either way, for
         # this tape the write has no gradient path, as under stop_recording().
-        written = self._written_while_closed
-        latest = {uid: versions[-1] for uid, versions in self._versions.items()}
-        for uid, handle in self._start.items():
-            latest.setdefault(uid, handle)
+        written = record.written_while_closed
+        latest = record.latest()
         for uid, mine in latest.items():
-            var = self._owners[id(mine)] if id(mine) in self._owners else self._start_owners[uid]
+            var = record.owner_of(uid, mine)
             current = scope.current.get(uid)
             if current is None:
                 current = mine
@@ -123,18 +115,18 @@ class AssignAwareTape(tf.GradientTape):
                     scope.advance(var, current, _versions.new_version(current, None), _versions.CLOSED_WRITE)
                     continue
             if current is not mine:
-                self._note_write(var, mine, current, _versions.CLOSED_WRITE)
+                record.note_write(var, mine, current, _versions.CLOSED_WRITE)
         for uid, current in scope.current.items():
             var = scope.owners.get(id(current))
             if uid not in latest and var is not None:
-                start = self._start.get(uid, _versions.canonical_handle(var))
+                start = record.start.get(uid, _versions.canonical_handle(var))
                 if current is not start:
-                    self._note_write(var, start, current, _versions.CLOSED_WRITE)
+                    record.note_write(var, start, current, _versions.CLOSED_WRITE)
                 written.pop(id(_versions.canonical_handle(var)), None)
         # Variables this tape never wrote: their first read here makes the version.
         for key, own in written.items():
             entry = scope.dirty.setdefault(key, (own, []))
-            entry[1].append(self)
+            entry[1].append(record)
         written.clear()
         return self
 
@@ -147,11 +139,12 @@ class AssignAwareTape(tf.GradientTape):
                 # since it was entered again stay writes with no gradient path
                 # for it when it is entered once more (the scope forgets its
                 # note of them when its last tape closes).
+                record = self._record
                 for own, closed_at_write in self._scope.dirty.values():
-                    if self in closed_at_write:
-                        self._written_while_closed[id(own)] = own
+                    if record in closed_at_write:
+                        record.written_while_closed[id(own)] = own
                 holders = _plain_tapes.note_closing()
-                _versions.close_scope(self._scope, self, holders)
+                _versions.close_scope(self._scope, record, holders)
                 self._scope = None
                 if self._tape is not None:
                     self._start_lease()
@@ -160,13 +153,13 @@ class AssignAwareTape(tf.GradientTape):
     def _start_lease(self) -> None:
         """Keeps the patches installed while the tape is closed, and has every
         write made meanwhile noted, for when it is entered again."""
-        _versions.closed_tapes.add(self)
+        _versions.closed_tapes.add(self._record)
         _patches.acquire()
         self._lease = weakref.finalize(self, _patches.release)
 
     def _end_lease(self) -> None:
         if self._lease is not None and self._lease.alive:
-            _versions.closed_tapes.discard(self)
+            _versions.closed_tapes.discard(self._record)
             self._lease()
         self._lease = None
 
@@ -174,21 +167,14 @@ class AssignAwareTape(tf.GradientTape):
         """Clears the tape, as ``tf.GradientTape.reset``; versions start again here."""
         super().reset()
         self._end_lease()
-        self._versions.clear()
-        self._owners.clear()
-        self._writes.clear()
-        self._escapes.clear()
-        self._written_while_closed.clear()
-        _versions.forget_closed_writes(self)
+        _versions.forget_closed_writes(self._record)
         self._entered = self._scope is not None
-        self._start, self._start_owners = {}, {}
-        if self._scope is not None:
-            self._snapshot_start(self._scope)
+        scope = self._scope
+        self._record.restart({} if scope is None else scope.current, {} if scope is None else scope.owners)
 
     def _snapshot_start(self, scope: _versions.Scope) -> None:
         """The versions current now (written by another tape) start this tape."""
-        self._start = dict(scope.current)
-        self._start_owners = {uid: scope.owners[id(h)] for uid, h in self._start.items()}
+        self._record.restart(scope.current, scope.owners)
 
     def watch(self, tensor: Any) -> None:
         """As ``tf.GradientTape.watch``; a wrapped variable (Keras 3, mixed
@@ -206,23 +192,6 @@ class AssignAwareTape(tf.GradientTape):
         for var in super().watched_variables():
             seen.setdefault(getattr(var, "_unique_id", None) or id(var), var)
         return tuple(seen.values())
-
-    def _note_write(self, var: Any, old: Any, new: Any, write: _versions.WriteRecord) -> None:
-        if not self._recording:  # inside this tape's stop_recording()
-            write = write._replace(recorded=False)
-        uid = var._unique_id
-        versions = self._versions.get(uid)
-        if versions is None:
-            self._versions[uid] = [old, new]
-            self._writes[uid] = [write]
-            self._owners[id(old)] = var
-        else:
-            versions.append(new)
-            self._writes[uid].append(write)
-        self._owners[id(new)] = var
-
-    def _note_escape(self, where: str) -> None:
-        self._escapes.append(where)
 
     def _watched(self, var: Any) -> bool:
         return any(_as_tf_variable(w) is var for w in self.watched_variables())
@@ -302,10 +271,7 @@ class AssignAwareTape(tf.GradientTape):
         return var
 
     def _versions_of(self, var: Any) -> Tuple[Any, ...]:
-        versions = self._versions.get(var._unique_id)
-        if versions is not None:
-            return tuple(versions)
-        return (self._start.get(var._unique_id, _versions.canonical_handle(var)),)
+        return self._record.versions_of(var, _versions.canonical_handle(var))
 
     def _version(self, x: Any, index: int) -> Any:
         """The version ``index`` of ``x`` if it is a variable, else ``x`` itself."""
@@ -427,7 +393,7 @@ class AssignAwareTape(tf.GradientTape):
         >>> report.reports[0].reason, report.reports[1].status
         ('overwritten_before_read', 'ok')
         """
-        return _diagnostics.explain(self, target, sources, _as_tf_variable)
+        return _diagnostics.explain(self, self._record, target, sources, _as_tf_variable)
 
     def history(self) -> _diagnostics.History:
         """The versions of every variable written on this tape, and their ops.
@@ -451,7 +417,7 @@ class AssignAwareTape(tf.GradientTape):
           v1: AssignAddVariableOp
           v2: ResourceStridedSliceAssign
         """
-        return _diagnostics.history(self)
+        return _diagnostics.history(self._record)
 
     def _zeros_for(self, raw: Any, mapped: Any) -> Any:
         # TensorFlow cannot build zeros for a raw resource handle (it has no
@@ -459,12 +425,12 @@ class AssignAwareTape(tf.GradientTape):
         # defined, a version's shape is the one recorded at the write after it.
         var = _as_tf_variable(raw)
         if var is None:
-            var = self._owners.get(id(mapped))
+            var = self._record.owners.get(id(mapped))
         if var is None:
             return array_ops.zeros_like(mapped)
         shape = None
         uid = var._unique_id
-        for handle, write in zip(self._versions.get(uid, ()), self._writes.get(uid, [])):
+        for handle, write in zip(self._record.versions.get(uid, ()), self._record.writes.get(uid, [])):
             if handle is mapped:
                 shape = write.old_shape
         return _versions.zeros_like_source(var, mapped, shape)

@@ -21,7 +21,7 @@ import contextlib
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from assigntape._tf import (
     ShardedVariable,
@@ -40,9 +40,7 @@ from assigntape._tf import (
 )
 
 from assigntape._errors import ControlFlowWriteError, NotAVariableError, UntrackedWriteError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from assigntape._tape import AssignAwareTape
+from assigntape._record import Record, WriteRecord
 
 __all__ = [
     "WriteRecord",
@@ -70,24 +68,11 @@ _all_scopes: List["Scope"] = []
 _all_lock = threading.Lock()
 
 
-class WriteRecord(NamedTuple):
-    """What made a version: the op, and whether a gradient can flow through it."""
-
-    op: str
-    # The untracked-writes option made it a new version with no gradient path.
-    cut: bool = False
-    # False when the write ran under stop_recording: no tape recorded it.
-    recorded: bool = True
-    # The previous version's shape, where the variable's shape is not fully
-    # defined (a write may change it): zeros for that version need it.
-    old_shape: Any = None
-
-
 class Scope:
     """The versions of one thread in one graph (``None`` for eager execution)."""
 
     __slots__ = (
-        "key", "thread", "current", "owners", "tapes", "holders", "seen", "canonical", "pinned", "dirty", "unnamed"
+        "key", "thread", "current", "owners", "records", "holders", "seen", "canonical", "pinned", "dirty", "unnamed"
     )
 
     def __init__(self, key: Any) -> None:
@@ -112,8 +97,8 @@ class Scope:
         # here: a traced function captures that handle, and a call maps it to
         # the current version (``_functions``).
         self.canonical: Dict[int, Any] = {}
-        # Open AssignAwareTapes in this scope, outermost first.
-        self.tapes: List["AssignAwareTape"] = []
+        # The records of the AssignAwareTapes open in this scope, outermost first.
+        self.records: List[Record] = []
         # Plain tapes and forward accumulators that were open around the last
         # AssignAwareTape here when it closed, and still are: they recorded its
         # writes, so until they close the scope stays, and every read and write
@@ -139,7 +124,7 @@ class Scope:
         if self.key is None:
             key = id(new)
             _eager_versions[key] = (weakref.ref(new, lambda ref: _forget_version(ref, key)), var)
-        if self.key is not None or self.holders or not all(t._forward_only for t in self.tapes):
+        if self.key is not None or self.holders or any(r.keeps_history for r in self.records):
             self.pinned.append(new)
         else:
             # Only forward-only tapes (``_forward``): a version may go when the
@@ -148,8 +133,8 @@ class Scope:
             weakref.finalize(new, self.owners.pop, id(new), None)
         self.seen.add(uid)
         self.canonical[id(canonical_handle(var))] = var
-        for tape in self.tapes:
-            tape._note_write(var, old, new, write)
+        for r in self.records:
+            r.note_write(var, old, new, write)
 
     def tracks(self, var: Any) -> bool:
         """Whether the tape has seen this variable (read or written)."""
@@ -157,11 +142,11 @@ class Scope:
 
     def refuses_untracked(self) -> bool:
         # Held by plain recorders only: they have no option, refuse.
-        return not self.tapes or any(tape._untracked_writes == "raise" for tape in self.tapes)
+        return not self.records or any(r.untracked_writes == "raise" for r in self.records)
 
     def recording(self) -> bool:
         """Whether a tape here records: an AssignAwareTape, or a holder."""
-        return any(t._recording for t in self.tapes) or any(getattr(h, "_recording", False) for h in self.holders)
+        return any(r.recording() for r in self.records) or any(getattr(h, "_recording", False) for h in self.holders)
 
 
 def _scopes() -> Dict[Any, Scope]:
@@ -175,8 +160,8 @@ def current_key() -> Any:
     return None if context.executing_eagerly() else ops.get_default_graph()
 
 
-def open_scope(tape: "AssignAwareTape") -> Scope:
-    """Registers ``tape`` as open in the current thread and graph."""
+def open_scope(tape_record: Record) -> Scope:
+    """Registers the tape of ``tape_record`` as open in the current thread and graph."""
     scopes = _scopes()
     key = current_key()
     scope = scopes.get(key)
@@ -185,7 +170,7 @@ def open_scope(tape: "AssignAwareTape") -> Scope:
         _seed_from_around(scope)
         with _all_lock:
             _all_scopes.append(scope)
-    scope.tapes.append(tape)
+    scope.records.append(tape_record)
     return scope
 
 
@@ -215,12 +200,12 @@ def _chain(branch: Optional["Branch"]) -> Iterator["Branch"]:
         branch = branch.parent
 
 
-def close_scope(scope: Scope, tape: "AssignAwareTape", holders: Sequence[Any] = ()) -> None:
+def close_scope(scope: Scope, tape_record: Record, holders: Sequence[Any] = ()) -> None:
     """Unregisters ``tape``; the last tape out drops the scope's versions,
     unless ``holders`` (plain tapes, forward accumulators open around it)
     keep them until they close (``release_holder``)."""
-    scope.tapes.remove(tape)
-    if not scope.tapes:
+    scope.records.remove(tape_record)
+    if not scope.records:
         if holders:
             scope.holders = list(holders)
         else:
@@ -231,7 +216,7 @@ def held_by(holder: Any) -> Dict[str, Tuple[Any, Any]]:
     """The versions ``holder`` (a plain tape or forward accumulator closing)
     holds in the current graph: unique id -> (handle, variable)."""
     scope = _scopes().get(current_key())
-    if scope is None or scope.tapes or not any(h is holder for h in scope.holders):
+    if scope is None or scope.records or not any(h is holder for h in scope.holders):
         return {}
     return {uid: (handle, scope.owners[id(handle)]) for uid, handle in scope.current.items() if id(handle) in scope.owners}
 
@@ -269,7 +254,7 @@ def release_holder(instance: Any) -> None:
     for scope in list(scopes.values()):
         if any(h is instance for h in scope.holders):
             scope.holders = [h for h in scope.holders if h is not instance]
-            if not scope.holders and not scope.tapes:
+            if not scope.holders and not scope.records:
                 _drop(scope)
 
 
@@ -318,7 +303,7 @@ def replica_scopes() -> Dict[int, Scope]:
         # A replica thread (mirrored_run._MirroredReplicaThread) paused in
         # merge_call: not done, and waiting for its should_run event.
         paused = not getattr(thread, "done", True) and not getattr(thread, "should_run", _SET).is_set()
-        if scope.key is key and isinstance(replica, int) and paused and scope.tapes:
+        if scope.key is key and isinstance(replica, int) and paused and scope.records:
             found[replica] = scope
     return found
 
@@ -333,7 +318,7 @@ _SET = _Set()
 
 
 def _recording_tapes(scope: Scope) -> List[Any]:
-    return [t._tape for t in scope.tapes if t._recording and t._tape is not None]
+    return [t for t in (r.recording_tape() for r in scope.records) if t is not None]
 
 
 def refuse_foreign_inputs(var: Any, op_name: str, tensors: Sequence[Any]) -> None:
@@ -462,7 +447,8 @@ def cut(scopes: List[Scope], var: Any, what: str, after: Any = None) -> None:
         scope.advance(var, old, new_version(old, after), WriteRecord(what, cut=True))
 
 
-# Tapes that are closed (exited, and not yet done) and may be entered again.
+# The records of tapes that are closed (exited, and not yet done) and may be
+# entered again (AssignAwareTapes, and plain tapes that held versions).
 # Every write made meanwhile, by any path, is noted on each of them: on
 # re-entry such a write is, for that tape, a new version with no gradient path,
 # as a write under stop_recording is (see ``AssignAwareTape.__enter__``).
@@ -475,19 +461,19 @@ def note_write_while_closed(handle: Any, var: Any = None) -> None:
     if not closed_tapes:
         return
     own = handle if var is None else canonical_handle(var)
-    for tape in list(closed_tapes):
-        tape._written_while_closed[id(own)] = own
+    for r in list(closed_tapes):
+        r.written_while_closed[id(own)] = own
 
 
-def forget_closed_writes(tape: Any) -> None:
+def forget_closed_writes(tape_record: Record) -> None:
     """``tape.reset()``: writes made while the tape was closed and not read yet
     (``Scope.dirty``) now come before the tape's start, so for it they are no
     longer writes with no gradient path: their first read is an identity for
     it, as for the tapes opened since."""
     for scope in _scopes().values():
         for _, closed_at_write in scope.dirty.values():
-            while tape in closed_at_write:
-                closed_at_write.remove(tape)
+            while tape_record in closed_at_write:
+                closed_at_write.remove(tape_record)
 
 
 # What made a version written while a tape was closed, as that tape sees it.
@@ -502,24 +488,24 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
     closed_at_write = scope.dirty.pop(id(own))[1]
     new = new_version(own, None)
     # Record the identity on every recording tape except those that were closed.
-    paused = [t for t in scope.tapes if t in closed_at_write and t._recording]
-    for tape in paused:
-        tape._pop_tape()
+    paused = [r for r in scope.records if r in closed_at_write and r.recording()]
+    for r in paused:
+        r.pause()
     try:
         # As a read would: watched, so that the tapes opened since record it.
         resource_variable_ops.variable_accessed(var)
         record.record_operation("Identity", [new], [own], lambda g: [g], forward_function=lambda t: [t])
     finally:
-        for tape in reversed(paused):
-            tape._push_tape()
+        for r in reversed(paused):
+            r.resume()
     uid = var._unique_id
     scope.current[uid] = new
     scope.owners[id(new)] = var
     scope.pinned.append(new)
     scope.seen.add(uid)
     scope.canonical[id(own)] = var
-    for tape in scope.tapes:
-        tape._note_write(var, own, new, CLOSED_WRITE if tape in closed_at_write else WriteRecord("Identity"))
+    for r in scope.records:
+        r.note_write(var, own, new, CLOSED_WRITE if r in closed_at_write else WriteRecord("Identity"))
     return new
 
 

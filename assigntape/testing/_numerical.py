@@ -9,6 +9,7 @@ from typing import Any, Callable, List, Tuple
 import numpy as np
 import tensorflow as tf
 
+from assigntape._record import Record
 from assigntape._tape import AssignAwareTape
 from assigntape.testing._sources import Source, resolve_sources
 from assigntape.testing._state import SavedState, probe
@@ -51,6 +52,16 @@ def check_versions_exist(sources: List[Source], tape: AssignAwareTape) -> None:
             )
 
 
+class _NotingRecord(Record):
+    """A ``_PerturbingTape``'s record: tells the tape of each write it notes."""
+
+    def note_write(self, var: Any, old: Any, new: Any, write: Any) -> None:
+        super().note_write(var, old, new, write)
+        tape = self.tape
+        if tape is not None:
+            tape._after_write(self, var)
+
+
 class _PerturbingTape(AssignAwareTape):
     """An ``AssignAwareTape`` that adds ``offset`` to one variable right after
     its ``index``-th write: the value of that version, perturbed."""
@@ -62,9 +73,10 @@ class _PerturbingTape(AssignAwareTape):
         self._offset = offset
         self._seen = 0
         self._perturbing = False
+        self._record = _NotingRecord(self, "cut")
 
-    def _note_write(self, var: Any, old: Any, new: Any, write: Any) -> None:
-        super()._note_write(var, old, new, write)
+    def _after_write(self, record: Any, var: Any) -> None:
+        """``record`` (this tape's) noted a write of ``var``."""
         if self._perturbing or var._unique_id != self._target._unique_id:
             return
         self._seen += 1
@@ -73,19 +85,19 @@ class _PerturbingTape(AssignAwareTape):
         # The write is noted on every open AssignAwareTape, outermost (this
         # one) first. Perturbing now would make the perturbation a version
         # before the inner tapes noted the write itself: wait for the last.
-        tapes = self._scope.tapes if self._scope is not None else []
-        last = tapes[-1] if tapes else self
-        if last is self:
+        records = self._scope.records if self._scope is not None else []
+        last = records[-1] if records else record
+        if last is record:
             self._perturb()
             return
-        noted = last._note_write
+        noted = last.note_write
 
         def then_perturb(*args: Any) -> None:
-            del last._note_write  # type: ignore[method-assign,assignment]
+            del last.note_write  # the class's method again
             noted(*args)
             self._perturb()
 
-        last._note_write = then_perturb  # type: ignore[method-assign,assignment]
+        last.note_write = then_perturb
 
     def _perturb(self) -> None:
         # Recorded like any write, so that tapes opened inside fn (whose

@@ -43,7 +43,7 @@ def _version_of(handle: Any) -> Optional[Tuple[Any, int]]:
             continue
         # Every variable the tape knows: written (its ``_owners``), read, or
         # written by a tape outside it before it started.
-        candidates = list(obj._owners.values()) + list(obj._start_owners.values())
+        candidates = list(obj._record.owners.values()) + list(obj._record.start_owners.values())
         candidates += [_versions.resolve(v) for v in obj.watched_variables()]
         for var in candidates:
             if var is None:

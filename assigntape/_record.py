@@ -1,0 +1,137 @@
+"""A tape's record: its own account of the versions it saw.
+
+An ``AssignAwareTape`` keeps one ``Record``. The scopes (``_versions``) keep
+the records of the tapes open in them and append each write to every one;
+``explain`` and ``history`` (``_diagnostics``) read them; the tape answers
+``gradient`` and ``versions`` from its own. So no module below the tape
+touches the tape: what they need of its TensorFlow side (is it recording,
+pause it for one op) goes through the record, which holds the tape weakly
+(a record lives as long as its tape, and must not keep it alive).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+__all__ = ["Record", "WriteRecord"]
+
+
+class WriteRecord(NamedTuple):
+    """What made a version: the op, and whether a gradient can flow through it."""
+
+    op: str
+    # The untracked-writes option made it a new version with no gradient path.
+    cut: bool = False
+    # False when the write ran under stop_recording: no tape recorded it.
+    recorded: bool = True
+    # The previous version's shape, where the variable's shape is not fully
+    # defined (a write may change it): zeros for that version need it.
+    old_shape: Any = None
+
+
+class Record:
+    """The versions one tape saw, by variable, and what made each.
+
+    Attributes:
+      untracked_writes: the tape's option, ``"raise"`` or ``"cut"``.
+      keeps_history: False for a tape nothing asks for gradients or versions
+        (``assigntape.ForwardAccumulator``'s): it notes no write, so every
+        version but the current one can go.
+      start: unique id -> the version current when the tape was entered
+        (written by an outer tape); ``start_owners`` the variables.
+      versions: unique id -> [the version the first write here replaced,
+        then one per write]; ``writes`` the ``WriteRecord`` of each write.
+      owners: id(version handle) -> its variable, for every handle above.
+      escapes: where a recorded value left TensorFlow (``_diagnostics``).
+      written_while_closed: id(a variable's own handle) -> that handle, for
+        the writes made while the tape was closed (``_versions``).
+    """
+
+    def __init__(self, tape: Any, untracked_writes: str = "raise", keeps_history: bool = True) -> None:
+        self._tape = weakref.ref(tape)
+        self.untracked_writes = untracked_writes
+        self.keeps_history = keeps_history
+        self.start: Dict[str, Any] = {}
+        self.start_owners: Dict[str, Any] = {}
+        self.versions: Dict[str, List[Any]] = {}
+        self.owners: Dict[int, Any] = {}
+        self.writes: Dict[str, List[WriteRecord]] = {}
+        self.escapes: List[str] = []
+        self.written_while_closed: Dict[int, Any] = {}
+
+    # -- the tape's TensorFlow side --------------------------------------------
+
+    @property
+    def tape(self) -> Optional[Any]:
+        return self._tape()
+
+    def recording(self) -> bool:
+        """Whether the tape records now (open, and not in ``stop_recording``)."""
+        tape = self._tape()
+        return tape is not None and bool(tape._recording)
+
+    def recording_tape(self) -> Optional[Any]:
+        """TensorFlow's tape object of a recording tape, else None."""
+        tape = self._tape()
+        return tape._tape if tape is not None and tape._recording else None
+
+    def pause(self) -> None:
+        """Stops recording on this tape only (``resume`` undoes it)."""
+        self._tape()._pop_tape()
+
+    def resume(self) -> None:
+        self._tape()._push_tape()
+
+    # -- versions -----------------------------------------------------------------
+
+    def note_write(self, var: Any, old: Any, new: Any, write: WriteRecord) -> None:
+        """A write made ``new`` the variable's version after ``old``."""
+        if not self.keeps_history:
+            return
+        if not self.recording():  # inside this tape's stop_recording()
+            write = write._replace(recorded=False)
+        uid = var._unique_id
+        versions = self.versions.get(uid)
+        if versions is None:
+            self.versions[uid] = [old, new]
+            self.writes[uid] = [write]
+            self.owners[id(old)] = var
+        else:
+            versions.append(new)
+            self.writes[uid].append(write)
+        self.owners[id(new)] = var
+
+    def note_escape(self, where: str) -> None:
+        self.escapes.append(where)
+
+    def versions_of(self, var: Any, own_handle: Any) -> Tuple[Any, ...]:
+        """The variable's versions here; ``own_handle`` if the tape never saw
+        it written (neither here nor by an outer tape before it started)."""
+        versions = self.versions.get(var._unique_id)
+        if versions is not None:
+            return tuple(versions)
+        return (self.start.get(var._unique_id, own_handle),)
+
+    def latest(self) -> Dict[str, Any]:
+        """Unique id -> the latest version this tape knows, start included."""
+        found = {uid: versions[-1] for uid, versions in self.versions.items()}
+        for uid, handle in self.start.items():
+            found.setdefault(uid, handle)
+        return found
+
+    def owner_of(self, uid: str, handle: Any) -> Any:
+        """The variable behind ``handle``, a version here or the start one of ``uid``."""
+        found = self.owners.get(id(handle))
+        return self.start_owners[uid] if found is None else found
+
+    def restart(self, current: Dict[str, Any], owners: Dict[int, Any]) -> None:
+        """Forgets every version (``reset()``); ``current`` (unique id ->
+        handle, ``owners`` id(handle) -> variable) starts the tape anew."""
+        self.versions.clear()
+        self.owners.clear()
+        self.writes.clear()
+        self.escapes.clear()
+        self.written_while_closed.clear()
+        self.start = dict(current)
+        self.start_owners = {uid: owners[id(h)] for uid, h in self.start.items()}
