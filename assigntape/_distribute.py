@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import tensorflow as tf
+
 from assigntape import _versions
 from assigntape._errors import UntrackedWriteError
-from assigntape._tf import distribute_lib
+from assigntape._tf import context, distribute_lib, nest, ops, tensor_lib
 from assigntape._wrapping import bind
 
 __all__ = ["distributed_update"]
@@ -36,7 +38,8 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     is run component by component as its replica (``_versions.acting_for``):
     each component's write is a version on that replica's tapes, its value
     computed from that replica's (recorded) arguments. Any other update is
-    refused while a replica's tape is open.
+    refused while a replica's tape is open, or, if every such tape passed
+    ``untracked_writes="cut"``, made a version with no gradient path on each.
     """
     arguments = bind(("var", "fn", "args", "kwargs", "group"), args, kwargs)
     var = arguments["var"]
@@ -59,10 +62,10 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
 
         arguments["fn"] = as_its_replica
         return wrapped(**arguments)
-    # Refused whenever a tape is open in a replica, whether it has read the
-    # variable yet or not: one that reads it later would read the updated value
-    # and credit the version from before the update.
-    raise UntrackedWriteError(
+    # Refused (or cut) whenever a tape is open in a replica, whether it has
+    # read the variable yet or not: one that reads it later would read the
+    # updated value and credit the version from before the update.
+    message = (
         f"A cross-replica update of variable {var.name!r} (aggregation "
         f"{getattr(aggregation, 'name', aggregation)}), while an AssignAwareTape is open "
         "in a replica: its value is aggregated outside the replicas' tapes (merge_call), "
@@ -74,3 +77,22 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
         "yourself (tf.distribute.get_replica_context().all_reduce); Keras optimizer "
         "steps in replica context work."
     )
+    scopes = [replicas[i] for i in sorted(replicas)]
+    if not components or sorted(replicas) != list(range(len(components))):
+        # No way to name each replica's component: nothing to cut.
+        raise UntrackedWriteError(message)
+    _versions.refuse_or_cut(scopes, var, "a cross-replica update", message)
+    result = wrapped(*args, **kwargs)
+    # untracked_writes="cut" on every tape: each replica's component gets a
+    # new version with no gradient path, made as that replica, after the update.
+    after = None if context.executing_eagerly() else _grouped(result)
+    for replica, scope in zip(sorted(replicas), scopes):
+        with _versions.acting_for(scope, scopes):
+            _versions.cut([scope], components[replica], "a cross-replica update", after)
+    return result
+
+
+def _grouped(result: Any) -> Any:
+    """One op that runs after every op and tensor in ``result`` (the update's)."""
+    parts = [x for x in nest.flatten(result, expand_composites=True) if isinstance(x, (tensor_lib.Tensor, ops.Operation))]
+    return tf.group(*parts)

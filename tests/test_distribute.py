@@ -123,6 +123,14 @@ def test_mirrored_variable_kinds_and_aggregations():
     for case in refused:
         assert out[case].get("error") == "UntrackedWriteError", (case, out[case])
         assert "cross-replica update" in out[case]["message"] and "aggregation=NONE" in out[case]["message"]
+    # With untracked_writes="cut" the same write goes through, warned, as a new
+    # version with no gradient path: v = 1 + mean(3x) = 7, loss = v x = 14,
+    # d loss / d x = v (the read only).
+    for mode in ("eager", "function"):
+        cut = out[f"cut_aggregated_write_{mode}"]
+        assert "result" in cut, (mode, cut)
+        assert cut["result"]["v"] == 7.0 and cut["result"]["loss"] == [14.0, 14.0], (mode, cut)
+        assert cut["result"]["grad"] == [7.0, 7.0] and cut["result"]["warned"] >= 1, (mode, cut)
 
 
 def _functional_other_device():

@@ -41,6 +41,33 @@ def _unread_write(strategy):
     return "ran"
 
 
+def _cut_write(strategy, compiled):
+    """``assign_add`` of a MEAN-aggregated variable under
+    ``untracked_writes="cut"``: a new version with no gradient path, then a
+    read of it. Per replica: the loss, d loss / d x, and how many warnings."""
+    import warnings
+
+    with strategy.scope():
+        v = tf.Variable(1.0, aggregation=tf.VariableAggregation.MEAN)
+        x = tf.Variable(2.0)
+
+    def step():
+        with AssignAwareTape(untracked_writes="cut") as tape:
+            v.assign_add(x * 3.0)
+            loss = v * x
+        return loss, tape.gradient(loss, x)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, grad = strategy.run(tf.function(step) if compiled else step)
+    return {
+        "loss": [float(t) for t in strategy.experimental_local_results(loss)],
+        "grad": [float(t) for t in strategy.experimental_local_results(grad)],
+        "v": float(v.numpy()),
+        "warned": sum("no gradient flows through that write" in str(w.message) for w in caught),
+    }
+
+
 def _cond_step(strategy):
     """The step with its write inside an autograph ``if`` on a tensor, compiled."""
     with strategy.scope():
@@ -82,6 +109,8 @@ def main() -> None:
             out[f"{sync}/{aggregation}"] = _outcome(lambda: run_step(strategy, **kwargs))
     out["unread_aggregated_write"] = _outcome(lambda: _unread_write(strategy))
     out["cond_write_in_replica_context"] = _outcome(lambda: _cond_step(strategy))
+    for compiled in (False, True):
+        out[f"cut_aggregated_write_{'function' if compiled else 'eager'}"] = _outcome(lambda: _cut_write(strategy, compiled))
     print(json.dumps(out))
 
 
