@@ -28,6 +28,7 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from assigntape._tf import (
+    attr_value_pb2,
     array_ops,
     auto_control_deps,
     composite_tensor,
@@ -159,6 +160,9 @@ def _version_handle(branch: Any, var: Any, value: Any, after: Optional[Any]) -> 
         [] if after is None else [after]
     ), ops.get_default_graph().gradient_override_map({"IdentityN": _BRANCH_VERSION_GRAD}), _on_its_device(var):
         handle = array_ops.identity_n([root, value])[0]
+    # Grappler would bypass it (its output 0 is its input 0), and with it the
+    # data dependency on ``value`` that orders reads after the write.
+    handle.op._set_attr("_grappler_do_not_remove", attr_value_pb2.AttrValue(b=True))
     # Tapes opened inside the body record ops as they are made, and look
     # gradients up by op type, not through gradient_override_map: tell them too.
     record.record_operation("AssigntapeBranchVersion", [handle], [value], lambda g: [g], forward_function=lambda t: [t])
@@ -396,6 +400,16 @@ def _leave(scope: Any, parent: Any, var: Any, value: Any, what: str) -> None:
     body's latest value."""
     if parent is not None:
         _branch_version(parent, var, value, value)
+        return
+    around = _versions.branch_around(scope)
+    if around is not None:
+        # The tape of ``scope`` was opened inside another tape's cond branch or
+        # loop body: the value is that body's too (so that it leaves the body
+        # for the outer tape), and this tape's version is the body's new handle.
+        uid = var._unique_id
+        old = scope.current.get(uid, around.version_of(var))
+        _branch_version(around, var, value, value)
+        scope.advance(var, old, around.versions[uid], _versions.WriteRecord(what))
         return
     old = scope.current_version(var)
     new = _versions.new_version(old, value)

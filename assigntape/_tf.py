@@ -21,6 +21,8 @@ import tensorflow as tf
 SUPPORTED = "2.16 to 2.21"
 
 try:
+    # Node attributes: keeping Grappler from bypassing a version's IdentityN.
+    from tensorflow.core.framework import attr_value_pb2
     # The eager C API: the tape set (is recording stopped?) and jvp packing.
     from tensorflow.python import pywrap_tfe
     # AutoGraph's allow-list, so that our wrappers are not converted.
@@ -122,6 +124,7 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (control_flow_util, "GraphOrParentsInXlaContext", "refusing what XLA cannot check"),
     (variable_utils, "convert_variables_to_tensors", "cond and loop outputs that are variables"),
     (config_lib, "DoNotConvert", "AutoGraph leaves our wrappers alone"),
+    (ops.Operation, "_set_attr", "marking a body's version handle _grappler_do_not_remove"),
 ]
 
 
@@ -139,7 +142,7 @@ _check()
 __all__ = [
     "SUPPORTED", "PRIVATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph", "ShardedVariable",
     "UnliftedInitializerVariable",
-    "UnconnectedGradients", "array_ops", "auto_control_deps", "backprop", "check_ops", "composite_tensor",
+    "UnconnectedGradients", "array_ops", "attr_value_pb2", "auto_control_deps", "backprop", "check_ops", "composite_tensor",
     "cond_v2", "config", "config_lib", "context", "control_flow_util", "distribute_lib", "distribute_utils",
     "dtypes", "eager_tape", "forwardprop", "gen_array_ops", "gen_resource_variable_ops", "gen_state_ops",
     "gen_training_ops", "handle_data_util", "indexed_slices", "math_ops", "nest", "ops", "pywrap_tfe",

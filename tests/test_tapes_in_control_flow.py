@@ -374,3 +374,78 @@ def test_a_body_that_writes_after_its_tape_closed_under_a_plain_tape(where, then
         assert float(v.numpy()) == _V0
     else:
         np.testing.assert_allclose(float(tf.function(program)()), float(program()), rtol=1e-12)
+
+
+# -- nested bodies with more than one tape recording -----------------------------------
+
+_CONTEXTS = {"none": None, "plain": tf.GradientTape, "aware": AssignAwareTape}
+
+
+def _nested_program(b1: str, b2: str, outer_kind: str, inner_kind: str) -> Any:
+    """Outer AssignAwareTape; a body (cond or loop) with a tape of kind ``b1``
+    around a nested body (cond or loop) with a tape of kind ``b2`` that writes
+    v; the outer body reads v after the nested one, and so does the loss."""
+    f64 = tf.float64
+    v, w, a = tf.Variable(2.0, dtype=f64), tf.Variable(0.5, dtype=f64), tf.Variable(0.7, dtype=f64)
+
+    def opened(kind: str) -> Any:
+        return _NullTape() if _CONTEXTS[kind] is None else _CONTEXTS[kind]()
+
+    def nested() -> Any:
+        with opened(b2):
+            v.assign(v * w)
+            return v * v
+
+    def body() -> Any:
+        with opened(b1):
+            if inner_kind == "cond":
+                y = tf.cond(a < 5.0, nested, lambda: tf.constant(0.0, f64))
+            else:
+                y = tf.while_loop(lambda i, y: i < 1, lambda i, y: (i + 1, nested()), (0, tf.constant(0.0, f64)))[1]
+            after = w * v
+        return y + after, after
+
+    @tf.function
+    def program() -> Any:
+        with AssignAwareTape() as outer:
+            if outer_kind == "cond":
+                acc, after = tf.cond(a > 0.0, body, lambda: (tf.constant(0.0, f64), tf.constant(0.0, f64)))
+            else:
+                state = (0, tf.constant(0.0, f64), tf.constant(0.0, f64))
+                acc, after = tf.while_loop(lambda i, s, t: i < 1, lambda i, s, t: (i + 1, *body()), state)[1:]
+            loss = acc + v * w
+        return [loss, after] + outer.gradient(loss, [v, w])
+
+    return [float(x) for x in program()]
+
+
+def _nested_rewrite() -> Any:
+    v0, w0 = tf.constant(2.0, tf.float64), tf.constant(0.5, tf.float64)
+    with tf.GradientTape() as tape:
+        tape.watch([v0, w0])
+        v1 = v0 * w0
+        after = w0 * v1
+        loss = v1 * v1 + after + v1 * w0
+    return [float(loss), float(after)] + [float(g) for g in tape.gradient(loss, [v0, w0])]
+
+
+@pytest.mark.parametrize("b2", sorted(_CONTEXTS))
+@pytest.mark.parametrize("b1", sorted(_CONTEXTS))
+def test_a_cond_in_a_cond_writes_under_any_tapes(b1, b2):
+    # With two tapes recording where the nested cond was made, TensorFlow wraps
+    # it in a function call, and Grappler bypassed the handle the read after it
+    # went through: the read saw the value from before the write (a wrong
+    # forward value, and wrong gradients).
+    np.testing.assert_allclose(_nested_program(b1, b2, "cond", "cond"), _nested_rewrite(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("b1", ["plain", "aware"])
+@pytest.mark.parametrize("kinds", [("cond", "loop"), ("loop", "cond"), ("loop", "loop")], ids="-around-".join)
+def test_nested_bodies_of_other_kinds_write_under_two_tapes(kinds, b1):
+    if kinds == ("loop", "loop") and b1 == "aware":
+        # The outer loop's gradient would need the handle the inner tape's
+        # version is in its body: TensorFlow's loop gradient cannot use it.
+        with pytest.raises(ControlFlowWriteError, match="Unroll the loop in Python"):
+            _nested_program(b1, "none", *kinds)
+        return
+    np.testing.assert_allclose(_nested_program(b1, "none", *kinds), _nested_rewrite(), rtol=1e-12)
