@@ -8,10 +8,17 @@ the main thread while the replicas wait. Each component's update is run as
 its replica (``_versions.acting_for``): a version on that replica's tapes,
 whose gradient flows into that replica's arguments. The per-replica
 meta-gradients then sum to the single-device gradient of the summed
-objective. Other cross-replica updates (aggregated writes: a
-``MirroredVariable`` with an aggregation other than NONE written in replica
-context) reduce their values outside every tape and are refused rather than
-left to give a wrong gradient.
+objective.
+
+An aggregated write (a ``MirroredVariable`` with an aggregation other than
+NONE, written in replica context while a tape is open there) is taken on
+TensorFlow's own path without ``merge_call`` (``aggregated_write``): the
+value is all-reduced in the replica (recorded, with TensorFlow's gradient of
+an all-reduce, the all-reduce of the upstream gradient), and each replica
+writes the reduced value to its own component, a version on its own tape.
+The components end as TensorFlow's path leaves them. Any other cross-replica
+update (a ``merge_call`` of the user's own that updates an aggregated
+variable) reduces its values outside every tape: refused, or cut by option.
 """
 
 from __future__ import annotations
@@ -96,3 +103,28 @@ def _grouped(result: Any) -> Any:
     """One op that runs after every op and tensor in ``result`` (the update's)."""
     parts = [x for x in nest.flatten(result, expand_composites=True) if isinstance(x, (tensor_lib.Tensor, ops.Operation))]
     return tf.group(*parts)
+
+
+def aggregated_write(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``values._on_write_update_replica``: a replica-context write of an
+    ``ON_WRITE`` distributed variable (see the module's docstring)."""
+    arguments = bind(("var", "update_fn", "value"), args, kwargs)
+    var, value = arguments["var"], arguments["value"]
+    aggregation = getattr(getattr(var, "aggregation", None), "name", "NONE")
+    if (
+        aggregation == "NONE"
+        or not _versions.differentiable(var)
+        or _versions.call_context() is None  # no tape open in this replica
+        or not isinstance(value, tensor_lib.Tensor)  # a number, IndexedSlices: TensorFlow's path
+    ):
+        return wrapped(*args, **kwargs)
+    replica = distribute_lib.get_replica_context()
+    if aggregation == "ONLY_FIRST_REPLICA":
+        # The first replica's value, everywhere: a sum in which the others add zeros.
+        first = tf.cast(tf.equal(replica.replica_id_in_sync_group, 0), value.dtype)
+        reduced = replica.all_reduce(tf.distribute.ReduceOp.SUM, value * first)
+    else:
+        reduced = replica.all_reduce(getattr(tf.distribute.ReduceOp, aggregation), value)
+    update_kwargs = {k: v for k, v in kwargs.items() if k not in ("var", "update_fn", "value")}
+    return arguments["update_fn"](var._get_on_device_or_primary(), reduced, **update_kwargs)
+

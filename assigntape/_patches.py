@@ -37,6 +37,7 @@ from assigntape._tf import (
     ConcreteFunction,
     cond_v2,
     distribute_lib,
+    distribute_values,
     distribute_utils,
     eager_tape,
     forwardprop,
@@ -236,6 +237,9 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # Cross-replica updates (_distribute). ``update`` is defined once, on the
         # base class, and every strategy's ``extended`` inherits it.
         (distribute_lib.StrategyExtendedV2, "update", _distribute.distributed_update),
+        # MirroredVariable's replica-context write, which TensorFlow calls
+        # through the module attribute.
+        (distribute_values, "_on_write_update_replica", _distribute.aggregated_write),
         # Plain tapes beside ours name variables as ours do (_plain_tapes).
         (_GRADIENT_TAPE, "__enter__", _plain_tapes.enter),
         (_GRADIENT_TAPE, "__exit__", _plain_tapes.exit),

@@ -29,6 +29,7 @@ try:
     from tensorflow.python.autograph.core import config, config_lib
     # Strategies' update(), and the container a distributed component belongs to.
     from tensorflow.python.distribute import distribute_lib, distribute_utils
+    from tensorflow.python.distribute import values as distribute_values
     # Parameter servers' partitioned variables, which no tape takes as a whole.
     from tensorflow.python.distribute.sharded_variable import ShardedVariable
     # GradientTape, ForwardAccumulator, eager context, recording ops on tapes,
@@ -125,6 +126,7 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (variable_utils, "convert_variables_to_tensors", "cond and loop outputs that are variables"),
     (config_lib, "DoNotConvert", "AutoGraph leaves our wrappers alone"),
     (ops.Operation, "_set_attr", "marking a body's version handle _grappler_do_not_remove"),
+    (distribute_values, "_on_write_update_replica", "aggregated writes in replica context"),
 ]
 
 
@@ -143,7 +145,7 @@ __all__ = [
     "SUPPORTED", "PRIVATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph", "ShardedVariable",
     "UnliftedInitializerVariable",
     "UnconnectedGradients", "array_ops", "attr_value_pb2", "auto_control_deps", "backprop", "check_ops", "composite_tensor",
-    "cond_v2", "config", "config_lib", "context", "control_flow_util", "distribute_lib", "distribute_utils",
+    "cond_v2", "config", "config_lib", "context", "control_flow_util", "distribute_lib", "distribute_utils", "distribute_values",
     "dtypes", "eager_tape", "forwardprop", "gen_array_ops", "gen_resource_variable_ops", "gen_state_ops",
     "gen_training_ops", "handle_data_util", "indexed_slices", "math_ops", "nest", "ops", "pywrap_tfe",
     "record", "resource_variable_ops", "standard_ops", "state_ops", "tensor_array_ops", "tensor_lib",

@@ -37,6 +37,26 @@ def _functional(x, w0=W0, lr=0.1):
     return float(d_lr), d_w.numpy(), w1.numpy()
 
 
+def _aggregated_step(aggregation):
+    """Both tasks' Meta-SGD step on one device, their inner gradients reduced
+    as ``aggregation`` reduces the replicas' writes, and the summed outer
+    objective: d/d lr, d/d w0 and the weights after the step."""
+    w0, lr = tf.constant(W0), tf.constant(0.1)
+    with tf.GradientTape() as outer:
+        outer.watch([lr, w0])
+        grads = []
+        for x in TASKS:
+            with tf.GradientTape() as inner:
+                inner.watch(w0)
+                inner_loss = tf.reduce_sum((w0 * tf.constant(x)) ** 2)
+            grads.append(inner.gradient(inner_loss, w0))
+        reduced = {"SUM": grads[0] + grads[1], "MEAN": (grads[0] + grads[1]) / 2, "ONLY_FIRST_REPLICA": grads[0]}
+        w1 = w0 - lr * reduced[aggregation]
+        loss = sum(tf.reduce_sum((w1 * tf.constant(x) - 1.0) ** 2) for x in TASKS)
+    d_lr, d_w = outer.gradient(loss, [lr, w0])
+    return float(d_lr), d_w.numpy(), w1.numpy()
+
+
 def _helper_output(module):
     """Runs ``tests/helpers/<module>`` in a fresh process; its last JSON line."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
@@ -106,9 +126,9 @@ def test_multi_worker_mirrored_strategy_on_loopback():
 
 def test_mirrored_variable_kinds_and_aggregations():
     """Per-replica writes (ON_WRITE with aggregation NONE, and ON_READ with any
-    aggregation) give each replica its single-device meta-gradients. Writes that
-    become aggregated cross-replica updates (ON_WRITE with SUM / MEAN /
-    ONLY_FIRST_REPLICA) are refused, never wrong. (Keras optimizer steps:
+    aggregation) give each replica its single-device meta-gradients. Aggregated
+    writes (ON_WRITE with SUM / MEAN / ONLY_FIRST_REPLICA) give meta-gradients
+    that sum to the single-device gradient of the summed objective. (Keras optimizer steps:
     test_keras_optimizer_steps_in_replica_context.)"""
     out = _helper_output("mirrored_aggregations")
     expected = [_functional(x) for x in TASKS]
@@ -119,13 +139,28 @@ def test_mirrored_variable_kinds_and_aggregations():
             _assert_replica_grads(out[case]["result"][mode]["grads"], expected, f"{case} {mode}")
     # The same step with its write in a tf.cond branch, compiled, per replica.
     _assert_replica_grads(out["cond_write_in_replica_context"]["result"], expected, "cond")
-    refused = [f"ON_WRITE/{a}" for a in ("SUM", "MEAN", "ONLY_FIRST_REPLICA")] + ["unread_aggregated_write"]
-    for case in refused:
-        assert out[case].get("error") == "UntrackedWriteError", (case, out[case])
-        assert "cross-replica update" in out[case]["message"] and "aggregation=NONE" in out[case]["message"]
-    # With untracked_writes="cut" the same write goes through, warned, as a new
-    # version with no gradient path: v = 1 + mean(3x) = 7, loss = v x = 14,
-    # d loss / d x = v (the read only).
+    # Aggregated writes: the replicas' meta-gradients sum to the single-device
+    # gradient of the summed objective, and every component holds its step.
+    for aggregation in ("SUM", "MEAN", "ONLY_FIRST_REPLICA"):
+        d_lr, d_w, w1 = _aggregated_step(aggregation)
+        for mode in ("eager", "function"):
+            got = out[f"ON_WRITE/{aggregation}"]
+            assert "result" in got, (aggregation, got)
+            grads = got["result"][mode]["grads"]
+            label = f"{aggregation} {mode}"
+            np.testing.assert_allclose(sum(g[0] for g in grads), d_lr, rtol=1e-5, err_msg=label)
+            np.testing.assert_allclose(np.sum([g[1] for g in grads], axis=0), d_w, rtol=1e-5, err_msg=label)
+            for component in got["result"][mode]["components"]:
+                np.testing.assert_allclose(component, w1, rtol=1e-6, err_msg=label)
+    # Written before any read: v = 1 + mean(3x) (x = 2 on both), loss = v; each
+    # replica's d loss / d x is 3 (the mean all-reduce's gradient is the mean).
+    assert out["unread_aggregated_write"]["result"] == {"loss": [7.0, 7.0], "grad": [3.0, 3.0]}
+    # A merge_call of the user's own that updates an aggregated variable is
+    # refused; with untracked_writes="cut" it goes through, warned, as a new
+    # version with no gradient path: v = 1 + 6 = 7, loss = v x = 14, d loss / d x = v.
+    refused = out["merge_call_aggregated_write"]
+    assert refused.get("error") == "UntrackedWriteError", refused
+    assert "cross-replica update" in refused["message"] and "aggregation MEAN" in refused["message"]
     for mode in ("eager", "function"):
         cut = out[f"cut_aggregated_write_{mode}"]
         assert "result" in cut, (mode, cut)

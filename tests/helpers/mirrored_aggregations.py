@@ -35,25 +35,32 @@ def _unread_write(strategy):
         with AssignAwareTape() as tape:
             v.assign_add(x * 3.0)
             loss = v * 1.0
-        return tape.gradient(loss, x)
+        return loss, tape.gradient(loss, x)
 
-    strategy.run(step)
-    return "ran"
+    loss, grad = strategy.run(step)
+    return {
+        "loss": [float(t) for t in strategy.experimental_local_results(loss)],
+        "grad": [float(t) for t in strategy.experimental_local_results(grad)],
+    }
 
 
-def _cut_write(strategy, compiled):
-    """``assign_add`` of a MEAN-aggregated variable under
-    ``untracked_writes="cut"``: a new version with no gradient path, then a
-    read of it. Per replica: the loss, d loss / d x, and how many warnings."""
+def _cut_write(strategy, compiled, cut=True):
+    """A ``merge_call`` of the user's own that updates a MEAN-aggregated
+    variable (by 6), under ``untracked_writes="cut"``: a new version with no
+    gradient path, then a read of it. Per replica: the loss, d loss / d x,
+    and how many warnings."""
     import warnings
 
     with strategy.scope():
         v = tf.Variable(1.0, aggregation=tf.VariableAggregation.MEAN)
         x = tf.Variable(2.0)
 
+    def update(strategy):
+        return strategy.extended.update(v, lambda c, d: c.assign_add(d), args=(tf.constant(6.0),))
+
     def step():
-        with AssignAwareTape(untracked_writes="cut") as tape:
-            v.assign_add(x * 3.0)
+        with AssignAwareTape(untracked_writes="cut" if cut else "raise") as tape:
+            tf.distribute.get_replica_context().merge_call(update)
             loss = v * x
         return loss, tape.gradient(loss, x)
 
@@ -111,6 +118,7 @@ def main() -> None:
     out["cond_write_in_replica_context"] = _outcome(lambda: _cond_step(strategy))
     for compiled in (False, True):
         out[f"cut_aggregated_write_{'function' if compiled else 'eager'}"] = _outcome(lambda: _cut_write(strategy, compiled))
+    out["merge_call_aggregated_write"] = _outcome(lambda: _cut_write(strategy, False, cut=False))
     print(json.dumps(out))
 
 
