@@ -161,6 +161,11 @@ def _opened(instance: Any) -> None:
     if held is not None:
         held_in, versions, record = held
         _versions.closed_tapes.discard(record)
+        if not hasattr(instance, _START):
+            # Entered first with no versions about: a variable source means
+            # its own handle, not what it is resumed from (``enter`` would
+            # otherwise take the versions current at this re-entry).
+            setattr(instance, _START, {})
         if held_in is key:
             _versions.resume_holder(instance, versions, record.written_while_closed)
 

@@ -291,6 +291,30 @@ def test_a_recorder_entered_again_goes_on_from_the_versions_it_held(mode, record
     np.testing.assert_allclose(float(got), expected, rtol=1e-12)
 
 
+@modes
+def test_a_plain_tape_entered_again_names_a_source_by_its_first_entry(mode):
+    """The variable source of a plain tape exited and entered again is its
+    version when the tape was first entered, not when it was resumed."""
+    with AssignAwareTape():
+        pass  # installed before the plain tape opens
+    v, a = tf.Variable(0.3, dtype=tf.float64), tf.Variable(0.7, dtype=tf.float64)
+
+    def program():
+        v.assign(0.3)
+        plain = tf.GradientTape(persistent=True)
+        with plain:
+            with AssignAwareTape():
+                v.assign(v * a)
+        with plain:
+            y = v * v
+        return plain.gradient(y, [v, a])
+
+    d_v, d_a = run(mode, program)
+    # The rewrite: v1 = v0 a, y = v1^2: dy/dv0 = 2 v1 a, dy/da = 2 v1 v0.
+    v1 = 0.3 * 0.7
+    np.testing.assert_allclose([float(d_v), float(d_a)], [2 * v1 * 0.7, 2 * v1 * 0.3], rtol=1e-12)
+
+
 def test_a_plain_tape_outside_a_function_is_not_held_by_a_tape_inside_it():
     """Versions made in a tf.function's graph end with it: a plain tape open
     eagerly around the call sees the function as a whole (plain TensorFlow)."""
