@@ -136,6 +136,16 @@ class Scope:
         for r in self.records:
             r.note_write(var, old, new, write)
 
+    def adopt(self, var: Any, handle: Any) -> None:
+        """Makes ``handle``, an existing version (not a write here), the
+        variable's current one, kept while the scope lives."""
+        uid = var._unique_id
+        self.current[uid] = handle
+        self.owners[id(handle)] = var
+        self.pinned.append(handle)
+        self.seen.add(uid)
+        self.canonical[id(canonical_handle(var))] = var
+
     def tracks(self, var: Any) -> bool:
         """Whether the tape has seen this variable (read or written)."""
         return var._unique_id in self.seen
@@ -237,12 +247,8 @@ def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[i
     with _all_lock:
         _all_scopes.append(scope)
     scope.holders = [holder]
-    for uid, handle, var in entries:
-        scope.current[uid] = handle
-        scope.owners[id(handle)] = var
-        scope.pinned.append(handle)
-        scope.seen.add(uid)
-        scope.canonical[id(canonical_handle(var))] = var
+    for _, handle, var in entries:
+        scope.adopt(var, handle)
 
 
 def release_holder(instance: Any) -> None:
@@ -498,12 +504,7 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
     finally:
         for r in reversed(paused):
             r.resume()
-    uid = var._unique_id
-    scope.current[uid] = new
-    scope.owners[id(new)] = var
-    scope.pinned.append(new)
-    scope.seen.add(uid)
-    scope.canonical[id(own)] = var
+    scope.adopt(var, new)
     for r in scope.records:
         r.note_write(var, own, new, CLOSED_WRITE if r in closed_at_write else WriteRecord("Identity"))
     return new
