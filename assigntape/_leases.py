@@ -3,17 +3,30 @@ again or asked for gradients, and plain tapes that ran beside one.
 
 ``_patches.uninstall`` refuses while any does. The count lives here, below
 every module that takes a lease, so that none of them imports ``_patches``.
+Open tapes are counted; closed tapes (by their records) and plain tapes are
+kept in weak sets instead: a tape joins at exit and leaves at its gradient, on
+every step, where a counted lease with a finalizer cost about ten
+microseconds a tape.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
+from typing import Any
 
-__all__ = ["lock", "take", "give", "count"]
+__all__ = ["lock", "take", "give", "count", "closed", "plain"]
 
 # Reentrant: ``_patches`` installs and takes its lease under it in one step.
 lock = threading.RLock()
 _count = 0
+# The records of closed tapes that may be entered again or asked for
+# gradients; a record lives as long as its tape. While any is here the
+# patches stay active, to note the writes made meanwhile (``_versions``).
+closed: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# Plain tapes (and forward accumulators) that ran beside a tape of ours and
+# keep versions, until they are garbage (``_plain_tapes.lease``).
+plain: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def take() -> None:
@@ -31,4 +44,5 @@ def give() -> None:
 
 
 def count() -> int:
-    return _count
+    """Open tapes, closed tapes, and plain tapes that ran beside one."""
+    return _count + len(closed) + len(plain)

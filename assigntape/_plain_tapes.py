@@ -43,7 +43,6 @@ __all__ = [
 
 _START = "_assigntape_start"
 _END = "_assigntape_end"
-_LEASE = "_assigntape_lease"
 _LATEST = "_assigntape_latest"
 # (the graph, the versions it held there, a Record that notes the writes
 # made while it is closed), while a recorder that held versions is closed.
@@ -257,11 +256,9 @@ def note_closing() -> List[Any]:
 
 def lease(instance: Any) -> None:
     """Keeps the patches installed until ``instance`` is garbage."""
-    if getattr(instance, _LEASE, None) is None:
-        # The patches are installed: a plain tape has versions to keep only
-        # beside a tape of ours.
-        _leases.take()
-        setattr(instance, _LEASE, weakref.finalize(instance, _leases.give))
+    # The patches are installed: a plain tape has versions to keep only
+    # beside a tape of ours.
+    _leases.plain.add(instance)
 
 
 def _map(x: Any, versions: Optional[Dict[str, Any]], open_now: bool) -> Any:

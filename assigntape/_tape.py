@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import weakref
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
-from assigntape._tf import array_ops, gen_resource_variable_ops, nest, UnconnectedGradients
+from assigntape._tf import array_ops, gen_resource_variable_ops, nest, tensor_lib, UnconnectedGradients
 
 from assigntape import _diagnostics, _patches, _plain_tapes, _record, _versions
 from assigntape._errors import ControlFlowWriteError, NotAVariableError
@@ -79,10 +78,6 @@ class AssignAwareTape(tf.GradientTape):
         self._record = _record.Record(self, untracked_writes, self._keeps_history)
         # Whether the tape was entered (since construction or reset()).
         self._entered = False
-        # While the tape is closed but may be entered again or asked for
-        # gradients, the patches stay installed, so that writes made meanwhile
-        # are seen (``Record.written_while_closed``), until ``_end_lease``.
-        self._lease: Optional[weakref.finalize] = None
 
     # -- context ---------------------------------------------------------------
 
@@ -152,16 +147,12 @@ class AssignAwareTape(tf.GradientTape):
 
     def _start_lease(self) -> None:
         """Keeps the patches installed while the tape is closed, and has every
-        write made meanwhile noted, for when it is entered again."""
+        write made meanwhile noted, for when it is entered again (until
+        ``_end_lease``, or until the tape is garbage: the set is weak)."""
         _versions.closed_tapes.add(self._record)
-        _patches.acquire()
-        self._lease = weakref.finalize(self, _patches.release)
 
     def _end_lease(self) -> None:
-        if self._lease is not None and self._lease.alive:
-            _versions.closed_tapes.discard(self._record)
-            self._lease()
-        self._lease = None
+        _versions.closed_tapes.discard(self._record)
 
     def reset(self) -> None:
         """Clears the tape, as ``tf.GradientTape.reset``; versions start again here."""
@@ -278,6 +269,7 @@ class AssignAwareTape(tf.GradientTape):
         var = _versions.gradient_variable(x)
         return x if var is None else self._versions_of(var)[index]
 
+
     # -- gradients -------------------------------------------------------------
 
     def gradient(
@@ -306,14 +298,29 @@ class AssignAwareTape(tf.GradientTape):
         """
         if target is None:
             return super().gradient(target, sources, output_gradients, unconnected_gradients)
-        flat_sources = nest.flatten(sources)
-        mapped_sources = [self._version(s, 0) for s in flat_sources]
-        mapped_target = nest.map_structure(lambda t: self._version(t, -1), target)
+        simple = type(sources) in (list, tuple) and not any(map(nest.is_nested, sources))
+        # A flat list or tuple (of variables and tensors, the usual sources)
+        # needs none of nest's flattening and packing, which cost as much as the rest here.
+        flat_sources = list(sources) if simple else nest.flatten(sources)
+        mapped_sources: List[Any] = []
+        # What TensorFlow is given: a variable where its handle now is the
+        # version wanted (TensorFlow takes ``v.handle`` itself, and a bare handle
+        # costs it two failed attribute lookups more a source), else the version.
+        given: List[Any] = []
+        for s in flat_sources:
+            var = _versions.gradient_variable(s)
+            version = s if var is None else self._versions_of(var)[0]
+            mapped_sources.append(version)
+            given.append(var if var is not None and var.handle is version else version)
+        if isinstance(target, tensor_lib.Tensor):  # the common case, without nest
+            mapped_target = target
+        else:
+            mapped_target = nest.map_structure(lambda t: self._version(t, -1), target)
         zero = unconnected_gradients in (UnconnectedGradients.ZERO, "zero")
         try:
             flat_grads = super().gradient(
                 mapped_target,
-                mapped_sources,
+                given,
                 output_gradients,
                 UnconnectedGradients.NONE if zero else unconnected_gradients,
             )
@@ -335,6 +342,8 @@ class AssignAwareTape(tf.GradientTape):
             ]
         if not self._persistent:
             self._end_lease()
+        if simple:
+            return type(sources)(flat_grads)
         return nest.pack_sequence_as(sources, flat_grads)
 
     def jacobian(self, target: Any, sources: Any, *args: Any, **kwargs: Any) -> Any:
@@ -434,3 +443,4 @@ class AssignAwareTape(tf.GradientTape):
             if handle is mapped:
                 shape = write.old_shape
         return _versions.zeros_like_source(var, mapped, shape)
+

@@ -28,9 +28,10 @@ from assigntape._tf import (
     array_ops,
     eager_tape,
     BaseResourceVariable as _BASE_VARIABLE,
-    context,
+    context as _context,
     ControlFlowFuncGraph as _CONTROL_FLOW_GRAPH,
     dtypes,
+    executing_eagerly,
     gen_resource_variable_ops,
     ops,
     pywrap_tfe,
@@ -39,6 +40,7 @@ from assigntape._tf import (
     tensor_lib,
 )
 
+from assigntape import _leases
 from assigntape._errors import ControlFlowWriteError, NotAVariableError, UntrackedWriteError
 from assigntape._record import Record, WriteRecord
 
@@ -167,7 +169,7 @@ def _scopes() -> Dict[Any, Scope]:
 
 
 def current_key() -> Any:
-    return None if context.executing_eagerly() else ops.get_default_graph()
+    return None if executing_eagerly() else ops.get_default_graph()
 
 
 def open_scope(tape_record: Record) -> Scope:
@@ -273,6 +275,7 @@ def _drop(scope: Scope) -> None:
     scope.canonical.clear()
     scope.dirty.clear()
     scope.unnamed.clear()
+    _with_unnamed.discard(id(scope))
     scope.holders = []
     _scopes().pop(scope.key, None)
     with _all_lock:
@@ -405,7 +408,13 @@ def tracked_in_other_thread(handle: Any, var: Optional[Any]) -> Optional[Any]:
     Its versions there are invisible here: a write from this thread would
     change what that tape reads while it credits its own version.
     """
-    if not _all_scopes or not context.executing_eagerly():
+    if not _all_scopes or not executing_eagerly():
+        return None
+    mine = getattr(_tls, "scopes", None)
+    if mine is not None and len(mine) >= len(_all_scopes):
+        # Every open scope is this thread's (each is in both), the usual case,
+        # checked on every write. (A scope another thread opens meanwhile has
+        # seen nothing yet.)
         return None
     for scope in _other_threads():
         found = var if var is not None and var._unique_id in scope.seen else scope.owners.get(id(handle))
@@ -458,7 +467,8 @@ def cut(scopes: List[Scope], var: Any, what: str, after: Any = None) -> None:
 # Every write made meanwhile, by any path, is noted on each of them: on
 # re-entry such a write is, for that tape, a new version with no gradient path,
 # as a write under stop_recording is (see ``AssignAwareTape.__enter__``).
-closed_tapes: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# They are ``_leases.closed``: while any is there, the patches are needed.
+closed_tapes = _leases.closed
 
 
 def note_write_while_closed(handle: Any, var: Any = None) -> None:
@@ -531,7 +541,7 @@ def dynamic_shape(handle: Any) -> Any:
 def _enclosing_scope(scopes: Dict[Any, Scope]) -> Optional[Scope]:
     """The scope of the current graph or, inside a control-flow body, of the
     nearest enclosing graph that has one."""
-    if context.executing_eagerly():
+    if executing_eagerly():
         return scopes.get(None)
     graph: Any = ops.get_default_graph()
     while graph is not None:
@@ -635,6 +645,12 @@ def unknown_variable_write(tensor: Any, op_name: str) -> None:
         if not gen_resource_variable_ops.var_is_initialized_op(tensor):
             return
     scope.unnamed[id(tensor)] = (tensor, op_name)
+    _with_unnamed.add(id(scope))
+
+
+# id() of every scope with a write noted by ``unknown_variable_write``: every
+# read asks ``accessed``, which has nothing to check while this is empty.
+_with_unnamed: Set[int] = set()
 
 
 def accessed(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -642,7 +658,7 @@ def accessed(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     a variable written through a handle no tape could name here, in Python,
     before TensorFlow's C++ code reads ``v.handle`` (an error raised from there
     would surface as a SystemError)."""
-    scopes = getattr(_tls, "scopes", None)
+    scopes = getattr(_tls, "scopes", None) if _with_unnamed else None
     if scopes:
         scope = _enclosing_scope(scopes)
         if scope is not None and scope.unnamed:
@@ -693,7 +709,7 @@ def call_context() -> Optional[Tuple[Scope, Optional["Branch"]]]:
     scope = _enclosing_scope(scopes)
     if scope is None:
         return None
-    if context.executing_eagerly() or scope.key is ops.get_default_graph():
+    if executing_eagerly() or scope.key is ops.get_default_graph():
         return scope, None
     return scope, _current_branch()
 
@@ -701,7 +717,7 @@ def call_context() -> Optional[Tuple[Scope, Optional["Branch"]]]:
 def eager_scope() -> Optional[Scope]:
     """This thread's eager scope, when executing eagerly with a tape open."""
     scopes = getattr(_tls, "scopes", None)
-    if not scopes or not context.executing_eagerly():
+    if not scopes or not executing_eagerly():
         return None
     return scopes.get(None)
 
@@ -777,7 +793,7 @@ def cond_context() -> Optional[Tuple[Scope, Optional[Branch]]]:
     tape's own level). None if the graph being built is neither (eager, no
     tape, or a body we do not track, such as a nested tf.function's)."""
     scopes = getattr(_tls, "scopes", None)
-    if not scopes or context.executing_eagerly():
+    if not scopes or executing_eagerly():
         return None
     graph = ops.get_default_graph()
     scope = scopes.get(graph)
@@ -825,22 +841,31 @@ class HandleDescriptor:
     """Data descriptor for ``BaseResourceVariable._handle``: the current version."""
 
     def __get__(self, inst: Any, owner: Any = None) -> Any:
+        # Every read asks this three times (TensorFlow fetches ``v.handle`` that
+        # often), so the eager case, the common one, is inlined.
         if inst is None:
             return self
         d = inst.__dict__
         scopes = getattr(_tls, "scopes", None)
         if scopes:
-            scope = _enclosing_scope(scopes)
-            if scope is not None:
-                handle = scope.current.get(d.get("_unique_id"))
+            ctx = _context._context
+            if ctx is not None and ctx._thread_local_data.is_eager:
+                scope = scopes.get(None)
+                uid = d.get("_unique_id")
+                handle = None if scope is None else scope.current.get(uid)
+            else:
+                scope = _enclosing_scope(scopes)
+                uid = d.get("_unique_id")
+                handle = None if scope is None else scope.current.get(uid)
                 branches = getattr(_tls, "branches", None)
-                if branches:
+                if scope is not None and branches:
                     # Inside a cond branch that wrote the variable: its branch version.
                     branch = branches.get(ops.get_default_graph())
                     if branch is not None:
-                        written = branch.version_of_uid(d.get("_unique_id"))
+                        written = branch.version_of_uid(uid)
                         if written is not None:
                             handle = written
+            if scope is not None:
                 if handle is None:
                     handle = d.get("_handle")
                     if handle is None:
@@ -850,7 +875,7 @@ class HandleDescriptor:
                     if scope.unnamed:
                         refuse_unnamed(scope, inst, handle)
                 scope.owners[id(handle)] = inst
-                scope.seen.add(d.get("_unique_id"))
+                scope.seen.add(uid)
                 return handle
         try:
             return d["_handle"]
@@ -950,20 +975,20 @@ def new_version(old: Any, write_result: Any) -> Any:
     the old one whenever the write itself is not recorded (a constant value, or
     nothing watched), leaking gradient to what produced the old value.
     """
-    if context.executing_eagerly():
+    if executing_eagerly():
         copy = getattr(old, "_copy_nograd", None)
         if copy is not None:
             # A new EagerTensor for the same handle, without dispatching an op
             # and without recording: ~3 us against ~45 us for tf.identity. The
             # handle's dtype-and-shape data (which gradients w.r.t. a version
             # need) lives on the Python object, so carry it over.
-            new = copy(context.context(), old.device)
+            new = copy(_context.context(), old.device)
             handle_data = getattr(old, "_handle_data", None)
             if handle_data is not None:
                 new._handle_data = handle_data
             return new
     with record.stop_recording():
-        if context.executing_eagerly() or write_result is None:
+        if executing_eagerly() or write_result is None:
             return array_ops.identity(old)
         # In a graph, reads through the new handle must run after the write.
         with ops.control_dependencies([write_result]):
