@@ -25,6 +25,14 @@ tape inside it); the two agree to rounding::
         grads = tape.gradient(loss, weights)
     d_lr = acc.jvp(loss)
 
+``--strategy mirrored`` trains the same step with ``model.fit`` under
+``tf.distribute.MirroredStrategy`` on two logical CPUs: the step is a model's
+``train_step``; each replica steps Keras ``SGD`` inside its own tape (the
+optimizer all-reduces the gradients and updates every replica's copy of the
+weights), and the replicas' hypergradients are summed. It prints the learning
+rate after each step next to the same ``fit`` on one device, which it equals
+to rounding.
+
 The learning rate then moves against the hypergradient, with the normalised
 multiplicative rule of the paper, ``lr *= 1 - beta * d_lr / (|grad_t| |grad_{t-1}|)``
 (``--rule additive`` gives ``lr -= beta * d_lr``). Started 10x too small or 10x
@@ -50,7 +58,7 @@ import tensorflow as tf  # noqa: E402
 from assigntape import AssignAwareTape, ForwardAccumulator  # noqa: E402
 from assigntape.examples import _report  # noqa: E402
 
-__all__ = ["Config", "hypergradient_step", "run", "main"]
+__all__ = ["Config", "HypergradientTrainer", "hypergradient_step", "run", "run_distributed", "main"]
 
 
 @dataclasses.dataclass
@@ -65,6 +73,7 @@ class Config:
     compiled: bool = True
     plot: Optional[str] = "hypergradient_lr.png"
     progress: bool = True
+    strategy: str = "none"  # or "mirrored": fit on two logical CPUs, against one device
 
 
 def _data(seed: int, n: int = 8192, dims: int = 20, classes: int = 5) -> Tuple[np.ndarray, np.ndarray]:
@@ -146,6 +155,122 @@ class _Run:
                 cosine = tf.math.divide_no_nan(d_lr, scale)  # 0 on the first step
                 self.lr.assign(self.lr * (1.0 - self.config.beta * cosine))
         return loss, grads
+
+
+class HypergradientTrainer(keras.Model):
+    """The step as a model's ``train_step``, for ``fit`` under a strategy.
+
+    The previous step's gradient is kept in non-trainable variables, one
+    copy per replica (``aggregation=NONE``): each replica keeps the gradient
+    of its share of the batch, and Keras ``SGD`` all-reduces what it is given,
+    so the step applies the whole batch's gradient, as on one device. Each
+    replica's loss is its share of the global batch's mean; the replicas'
+    gradients, hypergradients and norms are summed with ``all_reduce``.
+    """
+
+    def __init__(self, net: keras.Model, lr0: float, config: Config) -> None:
+        super().__init__()
+        self.net, self.config = net, config
+        self.lr = tf.Variable(lr0, trainable=False, name="lr")
+        self.inner = keras.optimizers.SGD(learning_rate=lambda: self.lr * 1.0)
+        self.previous = [
+            tf.Variable(tf.zeros_like(w), trainable=False, aggregation=tf.VariableAggregation.NONE)
+            for w in net.trainable_variables
+        ]
+        self.inner.build(net.trainable_variables)
+
+    def call(self, x: Any) -> Any:
+        return self.net(x)
+
+    def train_step(self, data: Any) -> Dict[str, Any]:
+        x, y = data
+        weights = self.net.trainable_variables
+        with AssignAwareTape() as tape:
+            tape.watch(self.lr)  # not trainable (fit leaves it alone), so watched by hand
+            self.inner.apply_gradients(zip([p.read_value() for p in self.previous], weights))
+            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, self.net(x))
+            loss = tf.reduce_sum(losses) / self.config.batch  # this replica's share of the mean
+        *grads, d_lr = tape.gradient(loss, [tape.versions(w)[-1] for w in weights] + [self.lr])
+        # The replicas' sums, in one all-reduce: d lr, and this step's and the
+        # previous step's gradients (for the norms of the whole batch's).
+        previous = [p.read_value() for p in self.previous]
+        ctx = tf.distribute.get_replica_context()
+        flat = ctx.all_reduce("SUM", tf.concat([tf.reshape(t, [-1]) for t in [d_lr, *grads, *previous]], 0))
+        total_d_lr, flat = flat[0], flat[1:]
+        half = flat.shape[0] // 2
+        if self.config.rule == "additive":
+            self.lr.assign_sub(self.config.beta * total_d_lr)
+        else:
+            scale = tf.norm(flat[:half]) * tf.norm(flat[half:])
+            cosine = tf.math.divide_no_nan(total_d_lr, scale)
+            self.lr.assign(self.lr * (1.0 - self.config.beta * cosine))
+        for p, g in zip(self.previous, grads):
+            p.assign(g)
+        return {"loss": ctx.all_reduce("SUM", loss)}
+
+
+def _fit(config: Config, lr0: float, strategy: Any, batches: Tuple[np.ndarray, np.ndarray]) -> List[float]:
+    """``fit`` of ``HypergradientTrainer`` on ``batches`` (in order) under
+    ``strategy``: the learning rate after each step."""
+    keras.utils.set_random_seed(config.seed)
+    with strategy.scope():
+        trainer = HypergradientTrainer(_model(config.seed), lr0, config)
+        trainer.compile(run_eagerly=not config.compiled, jit_compile=False)
+    rates: List[float] = []
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: rates.append(float(trainer.lr.numpy())))
+    x, y = batches
+    trainer.fit(x, y, batch_size=config.batch, epochs=1, shuffle=False, verbose=0, callbacks=[record])
+    return rates
+
+
+def _two_cpus() -> List[str]:
+    """Two logical CPUs, made now if TensorFlow has not started yet."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        # (Listing the logical devices first would start TensorFlow.)
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    except RuntimeError as e:
+        if len(tf.config.list_logical_devices("CPU")) < 2:
+            raise RuntimeError(
+                "--strategy mirrored needs two logical CPUs, which can only be made before "
+                "TensorFlow starts: run the example in a fresh process "
+                "(python -m assigntape.examples.hypergradient_lr --strategy mirrored)."
+            ) from e
+    return [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
+
+
+def run_distributed(config: Config, strategy: Optional[Any] = None) -> Dict[str, Any]:
+    """SGD-HD from a learning rate 10x too small, trained with ``fit`` on one
+    device and under ``strategy`` (by default ``MirroredStrategy`` on two
+    logical CPUs; pass the same one to run again in a process: a second
+    strategy's collectives would clash with the first's), on the same batches.
+    Returns ``{"rates": {"one device": [...], "mirrored": [...]}, ...}``."""
+    if strategy is None:
+        strategy = tf.distribute.MirroredStrategy(_two_cpus())
+    start = time.perf_counter()
+    x_all, y_all = _data(config.seed)
+    rng = np.random.default_rng(config.seed + 1)  # the batches of run()
+    idx = np.concatenate([rng.integers(0, len(x_all), config.batch) for _ in range(config.steps)])
+    batches = (x_all[idx], y_all[idx])
+    lr0 = config.good_lr / 10
+    rates = {
+        "one device": _fit(config, lr0, tf.distribute.get_strategy(), batches),
+        "mirrored": _fit(config, lr0, strategy, batches),
+    }
+    return {"config": dataclasses.asdict(config), "rates": rates, "lr0": lr0, "seconds": time.perf_counter() - start}
+
+
+def report_distributed(results: Dict[str, Any]) -> str:
+    one, two = (np.asarray(r) for r in results["rates"].values())
+    steps = len(one)
+    shown = sorted({0, 1, 2, steps // 4, steps // 2, steps - 1} & set(range(steps)))
+    lines = [
+        f"SGD-HD from lr {results['lr0']:g} with fit: the learning rate after each step",
+        f"{'step':>6}{'one device':>14}{'MirroredStrategy, 2 CPUs':>28}",
+    ]
+    lines += [f"{i + 1:>6}{one[i]:>14.6f}{two[i]:>28.6f}" for i in shown]
+    lines.append(f"largest relative difference over {steps} steps: {np.max(np.abs(two - one) / np.abs(one)):.2e}")
+    return "\n".join(lines + _report.footer(results))
 
 
 def run(config: Config) -> Dict[str, Any]:
@@ -233,6 +358,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "--hypergradient", choices=["reverse", "forward"], default=defaults.hypergradient,
         help="reverse: AssignAwareTape.gradient; forward: assigntape.ForwardAccumulator",
     )
+    parser.add_argument(
+        "--strategy", choices=["none", "mirrored"], default=defaults.strategy,
+        help="mirrored: fit under MirroredStrategy on two logical CPUs, against one device",
+    )
     args = parser.parse_args(argv)
     config = Config(
         steps=args.steps,
@@ -242,7 +371,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         compiled=not args.eager,
         plot=args.plot or None,
         progress=not args.quiet,
+        strategy=args.strategy,
     )
+    if config.strategy == "mirrored":
+        return _report.run_and_print(run_distributed, report_distributed, config)
     return _report.run_and_print(run, report, config)
 
 
