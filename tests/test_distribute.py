@@ -111,9 +111,11 @@ def test_multi_worker_mirrored_strategy_on_loopback():
                 w.kill()
                 w.wait()
     expected = [_functional(x) for x in TASKS]
+    results = []
     for w, (out, err) in zip(workers, outputs):
         assert w.returncode == 0, err[-3000:]
         result = json.loads(out.strip().splitlines()[-1])
+        results.append(result)
         index = result["task_index"]
         w1 = expected[index][2]
         for mode in ("eager", "function"):
@@ -122,6 +124,24 @@ def test_multi_worker_mirrored_strategy_on_loopback():
             np.testing.assert_allclose(result[mode]["components"][0], w1, rtol=1e-6)
             mean = (expected[0][0] + expected[1][0]) / 2
             np.testing.assert_allclose(result[mode]["mean_d_lr"], mean, rtol=1e-5)
+    # A Keras optimizer's step across the workers: each worker's meta-gradients
+    # (of its own task's objective) sum to one device's of the summed
+    # objective, and each worker's weights are one device's, step after step.
+    from helpers.mirrored_optimizers import single_device
+
+    for name in results[0]["keras"]:
+        single = single_device(name)
+        for mode in ("eager", "compiled"):
+            got = [r["keras"][name][mode] for r in results]
+            assert all("result" in g for g in got), (name, mode, got)
+            for step, (s_lr, s_w, w1) in enumerate(single):
+                label = f"{name} {mode} step {step}"
+                np.testing.assert_allclose(sum(g["result"][step][0] for g in got), s_lr, rtol=1e-5, err_msg=label)
+                np.testing.assert_allclose(
+                    np.sum([g["result"][step][1] for g in got], axis=0), s_w, rtol=1e-5, atol=1e-6, err_msg=label
+                )
+                for g in got:
+                    np.testing.assert_allclose(g["result"][step][2][0], w1, rtol=1e-6, err_msg=label)
 
 
 def test_mirrored_variable_kinds_and_aggregations():

@@ -1,5 +1,7 @@
 """One worker of a two-worker MultiWorkerMirroredStrategy on loopback, running
-the same Meta-SGD-style step as the MirroredStrategy helper, one task per worker.
+the same Meta-SGD-style step as the MirroredStrategy helper, one task per worker,
+and the meta-step through Keras optimizers of ``mirrored_optimizers`` (two steps
+in a row, eager and compiled).
 
 The test starts two of these with TF_CONFIG naming 127.0.0.1 ports. Each prints
 one JSON line with its local replica's results and the cross-worker mean."""
@@ -15,6 +17,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # noqa: E402
 
 from helpers.mirrored_meta_step import run_step  # noqa: E402
+from helpers.mirrored_optimizers import _outcome, mirrored  # noqa: E402
+
+KERAS_OPTIMIZERS = ("SGD", "Adam")
 
 
 def main() -> None:
@@ -22,6 +27,10 @@ def main() -> None:
     assert strategy.num_replicas_in_sync == 2, strategy.num_replicas_in_sync
     result = run_step(strategy)
     result["task_index"] = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    result["keras"] = {
+        name: {mode: _outcome(lambda: mirrored(strategy, name, mode == "compiled")) for mode in ("eager", "compiled")}
+        for name in KERAS_OPTIMIZERS
+    }
     print(json.dumps(result))
     sys.stdout.flush()
 
