@@ -306,6 +306,34 @@ def _branch_version(branch: Any, var: Any, value: Any, after: Any) -> None:
     branch.scope.canonical[id(_versions.canonical_handle(var))] = var
 
 
+def rebase_for_recorder() -> None:
+    """A plain tape was just entered inside a cond branch or loop body of a
+    tape's graph: the variables the body has a value for (written in it, or
+    carried by its loop) get that value again, read through their current
+    handle, on the new tape.
+
+    A cond nested in the body is handed each variable's latest *value*
+    (``_inherit``), made before the plain tape was entered, so that tape
+    would follow a write in the nested cond back to that value and stop
+    there: its source, the handle current at its entry (whose gradient goes
+    to that value, not from it), would get None. Read through the handle, the
+    value's gradient reaches the handle, and from it, by the handle's own
+    gradient, the value before."""
+    found = _versions.cond_context()
+    if found is None or found[1] is None or pywrap_tfe.TFE_Py_TapeSetIsStopped():
+        return
+    branch = found[1]
+    uids = {uid for b in _versions._chain(branch) for uid in b.values}
+    for uid in sorted(uids):
+        if branch.carried is not None and uid not in branch.carried:
+            continue  # a loop body that does not carry it: left as it was
+        var = next(b.values[uid][0] for b in _versions._chain(branch) if uid in b.values)
+        handle = branch.version_of(var)
+        resource_variable_ops.variable_accessed(var)  # watched: the read below is recorded
+        value = gen_resource_variable_ops.read_variable_op(handle, var.dtype)
+        _branch_version(branch, var, value, value)
+
+
 # -- duplicate indices under XLA -------------------------------------------------
 
 _POISON_GRAD = "AssigntapeDuplicateIndices"

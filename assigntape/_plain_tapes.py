@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from assigntape._tf import ControlFlowFuncGraph, forwardprop, gen_resource_variable_ops, nest, UnconnectedGradients
 
-from assigntape import _leases, _versions
+from assigntape import _control_flow, _leases, _versions
 from assigntape._errors import ControlFlowWriteError
 from assigntape._record import Record
 from assigntape._wrapping import bind
@@ -91,6 +91,8 @@ def enter(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) ->
             if snapshot is not None:
                 setattr(instance, _START, snapshot)
                 lease(instance)
+        # Inside a compiled body, after the snapshot: see rebase_for_recorder.
+        _control_flow.rebase_for_recorder()
     return result
 
 

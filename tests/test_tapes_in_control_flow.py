@@ -449,3 +449,70 @@ def test_nested_bodies_of_other_kinds_write_under_two_tapes(kinds, b1):
             _nested_program(b1, "none", *kinds)
         return
     np.testing.assert_allclose(_nested_program(b1, "none", *kinds), _nested_rewrite(), rtol=1e-12)
+
+
+def _plain_tape_around_nested_write(where: str, nested: bool, inner_cls: Any) -> Any:
+    """In a compiled body (a loop body, or a cond branch that wrote w first)
+    of an outer AssignAwareTape: a tape around a write of w (in a nested
+    tf.cond, or directly) and a read after it; its gradient with respect to
+    [w, a] (w: its version at the tape's entry), and the outer tape's
+    gradient of a loss that uses that gradient."""
+    f64 = tf.float64
+    w, a = tf.Variable(0.5, dtype=f64), tf.Variable(0.7, dtype=f64)
+
+    def write() -> Any:
+        w.assign_add(a * a * 0.1)
+        return tf.constant(0.0, f64)
+
+    def body(pre_write: bool) -> Any:
+        if pre_write:
+            w.assign_add(a * 0.5)
+        with inner_cls() as t:
+            if nested:
+                tf.cond(a > 0, write, lambda: tf.constant(0.0, f64))
+            else:
+                write()
+            y = w * w
+        g = t.gradient(y, [w, a])
+        return tf.stack([tf.constant(np.nan, f64) if x is None else x for x in g])
+
+    @tf.function
+    def program() -> Any:
+        w.assign(0.5)
+        with AssignAwareTape() as outer:
+            if where == "loop":
+                grads = tf.while_loop(lambda i, s: i < 1, lambda i, s: (i + 1, body(False)), (0, tf.zeros(2, f64)))[1]
+            else:
+                grads = tf.cond(a > 0, lambda: body(True), lambda: tf.zeros(2, f64))
+            loss = tf.reduce_sum(grads) * a
+        return tf.concat([grads, [loss], outer.gradient(loss, [a])], 0)
+
+    return program().numpy()
+
+
+def _plain_tape_around_nested_write_rewrite(where: str) -> Any:
+    a = tf.constant(0.7, tf.float64)
+    with tf.GradientTape() as outer:
+        outer.watch(a)
+        w0 = tf.constant(0.5, tf.float64) + (a * 0.5 if where == "cond" else 0.0)
+        with tf.GradientTape() as t:
+            t.watch([w0, a])
+            w1 = w0 + a * a * 0.1
+            y = w1 * w1
+        grads = tf.stack(t.gradient(y, [w0, a]))
+        loss = tf.reduce_sum(grads) * a
+    return np.concatenate([grads.numpy(), [loss.numpy()], [outer.gradient(loss, a).numpy()]])
+
+
+@pytest.mark.parametrize("inner", sorted(INNER))
+@pytest.mark.parametrize("nested", [True, False], ids=["nested-cond", "direct"])
+@pytest.mark.parametrize("where", ["cond", "loop"])
+def test_a_tape_in_a_body_around_a_nested_cond_that_writes(where, nested, inner):
+    # A plain tape here gave None for w (the nested cond was handed w's value
+    # from before the tape, which the tape's source, w's handle, does not
+    # lead to), and so a wrong loss.
+    np.testing.assert_allclose(
+        _plain_tape_around_nested_write(where, nested, INNER[inner]),
+        _plain_tape_around_nested_write_rewrite(where),
+        rtol=1e-10,
+    )
