@@ -140,7 +140,7 @@ except KeyError:  # registered already (the module was reloaded)
     pass
 
 
-def _version_handle(branch: Any, var: Any, value: Any, after: Optional[Any]) -> Any:
+def _version_handle(branch: Any, var: Any, value: Any, after: Optional[Any], taped: Optional[Any] = None) -> Any:
     """A handle for ``var`` in ``branch``'s graph standing for ``value``, for
     reads that run after ``after``.
 
@@ -165,7 +165,9 @@ def _version_handle(branch: Any, var: Any, value: Any, after: Optional[Any]) -> 
     handle.op._set_attr("_grappler_do_not_remove", attr_value_pb2.AttrValue(b=True))
     # Tapes opened inside the body record ops as they are made, and look
     # gradients up by op type, not through gradient_override_map: tell them too.
-    record.record_operation("AssigntapeBranchVersion", [handle], [value], lambda g: [g], forward_function=lambda t: [t])
+    record.record_operation(
+        "AssigntapeBranchVersion", [handle], [value if taped is None else taped], lambda g: [g], forward_function=lambda t: [t]
+    )
     handle_data_util.copy_handle_data(root, handle)
     branch.scope.owners[id(handle)] = var
     return handle
@@ -243,14 +245,19 @@ def branch_write(
         resource_variable_ops.variable_accessed(var)
     old_value = gen_resource_variable_ops.read_variable_op(old, var.dtype)
     value = rule.value(old_value, arguments)
+    taped = None
     if pywrap_tfe.TFE_Py_TapeSetIsStopped() or not branch.scope.recording():
-        # Under stop_recording: a new version with no gradient path, as outside.
-        value = array_ops.stop_gradient(value)
+        # Under stop_recording: a new version with no gradient path, as outside,
+        # for the tape that stopped (whose gradient of the body is the cond's
+        # or loop's own, symbolic). A tape opened in the body and still
+        # recording recorded the ops of ``value``: reads after the write are
+        # on it, as they would be outside a body.
+        taped, value = value, array_ops.stop_gradient(value)
     else:
         value = _poison_duplicates(op_name, var, arguments, value)
     with ops.control_dependencies([old_value.op, *write.checks]):
         result = wrapped(**arguments)
-    _branch_version(branch, var, value, result)
+    _branch_version(branch, var, value, result, taped)
     return result
 
 
@@ -288,20 +295,22 @@ def fused_branch_write(
         var = tracked.get(name)
         if var is not None:
             value = array_ops.stop_gradient(new_values[name]) if stopped else new_values[name]
-            _branch_version(branch, var, value, result)
+            _branch_version(branch, var, value, result, new_values[name] if stopped else None)
     return result
 
 
-def _branch_version(branch: Any, var: Any, value: Any, after: Any) -> None:
+def _branch_version(branch: Any, var: Any, value: Any, after: Any, taped: Optional[Any] = None) -> None:
     """Makes ``value`` the variable's latest value in ``branch``: a handle for
     reads later in the branch (run after ``after``), whose registered gradient
-    goes to ``value``, and the value the cond will return."""
+    goes to ``value``, and the value the cond will return. ``taped``, if
+    given, is what the handle is recorded from on the tapes recording in the
+    branch (a write one tape did not record, another did)."""
     if branch.carried is not None and var._unique_id not in branch.carried:
         # A loop body writes a variable its loop does not carry yet: ask the
         # loop to trace again, carrying it (see ``while_loop``).
         _retry.request = (branch.token, var)
         raise _NotCarried(f"{var.name!r} is written in a loop body that does not carry it yet")
-    branch.versions[var._unique_id] = _version_handle(branch, var, value, after)
+    branch.versions[var._unique_id] = _version_handle(branch, var, value, after, taped)
     branch.values[var._unique_id] = (var, value)
     branch.scope.canonical[id(_versions.canonical_handle(var))] = var
 

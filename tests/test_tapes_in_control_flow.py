@@ -516,3 +516,54 @@ def test_a_tape_in_a_body_around_a_nested_cond_that_writes(where, nested, inner)
         _plain_tape_around_nested_write_rewrite(where),
         rtol=1e-10,
     )
+
+
+def _stopped_outer_write(where: str, inner_cls: Any) -> Any:
+    """A tape Q in a compiled body (or at the function's top level) of an outer
+    AssignAwareTape T; in Q, a write of v, then a write of w under
+    T.stop_recording(), then a read of both. Q's gradient with respect to
+    [v, w, a] (their versions at Q's entry), and T's gradient of v * w after
+    the body with respect to a."""
+    f64 = tf.float64
+    v, w, a = (tf.Variable(x, dtype=f64) for x in (0.3, 0.5, 0.7))
+
+    def body(outer: Any) -> Any:
+        with inner_cls() as q:
+            v.assign(v * a)
+            with outer.stop_recording():
+                w.assign(w * a)
+            y = v * w
+        g = q.gradient(y, [v, w, a])
+        return tf.stack([tf.constant(np.nan, f64) if x is None else x for x in g])
+
+    @tf.function
+    def program() -> Any:
+        v.assign(0.3)
+        w.assign(0.5)
+        with AssignAwareTape() as outer:
+            if where == "top":
+                grads = body(outer)
+            elif where == "cond":
+                grads = tf.cond(a > 0, lambda: body(outer), lambda: tf.zeros(3, f64))
+            else:
+                grads = tf.while_loop(lambda i, s: i < 1, lambda i, s: (i + 1, body(outer)), (0, tf.zeros(3, f64)))[1]
+            loss = v * w
+        return tf.concat([grads, [outer.gradient(loss, a)]], 0)
+
+    return program().numpy()
+
+
+@pytest.mark.parametrize("inner", sorted(INNER))
+@pytest.mark.parametrize("where", ["top", "cond", "loop"])
+def test_a_write_under_the_outer_tapes_stop_recording_is_on_a_tape_in_the_body(where, inner):
+    # Q recorded the write (only T stopped): Q's gradient follows it, as at the
+    # function's top level; in a body Q got None for w and a wrong d/da. For
+    # T the write has no gradient path (Semantics: stop_recording).
+    v0, w0, a = (tf.constant(x, tf.float64) for x in (0.3, 0.5, 0.7))
+    with tf.GradientTape() as q:
+        q.watch([v0, w0, a])
+        v1, w1 = v0 * a, w0 * a
+        y = v1 * w1
+    expected = [float(g) for g in q.gradient(y, [v0, w0, a])]
+    expected.append(float(v0 * w1))  # T: d(v1 * w1)/da through v1 only
+    np.testing.assert_allclose(_stopped_outer_write(where, INNER[inner]), expected, rtol=1e-12)
