@@ -23,7 +23,8 @@ variable) reduces its values outside every tape: refused, or cut by option.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+from typing import Any, Callable, List
 
 import tensorflow as tf
 
@@ -61,6 +62,17 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
         and sorted(replicas) == list(range(len(components)))
     ):
         fn = arguments["fn"]
+        # Before any component is written: a value the update function holds
+        # (its closure) that one replica's tape computed and another's cannot
+        # follow is refused now, not after the first replicas' components are
+        # updated (tf_keras legacy optimizers hold the first replica's
+        # coefficients there).
+        held = _held_tensors(fn)
+        if held:
+            merging = list(replicas.values())
+            for replica in sorted(replicas):
+                with _versions.acting_for(replicas[replica], merging):
+                    _versions.refuse_foreign_inputs(components[replica], "a cross-replica update", held)
 
         def as_its_replica(component: Any, *a: Any, **k: Any) -> Any:
             replica = distribute_lib.get_update_replica_id()
@@ -97,6 +109,34 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
         with _versions.acting_for(scope, scopes):
             _versions.cut([scope], components[replica], "a cross-replica update", after)
     return result
+
+
+def _held_tensors(fn: Any, depth: int = 3) -> List[Any]:
+    """The tensors a function holds: in its closure and, for a
+    ``functools.partial``, its bound arguments, looking into lists, tuples and
+    dicts (``depth`` levels)."""
+    found: List[Any] = []
+
+    def visit(x: Any, level: int) -> None:
+        if isinstance(x, tensor_lib.Tensor):
+            found.append(x)
+        elif level > 0 and isinstance(x, (list, tuple)):
+            for item in x:
+                visit(item, level - 1)
+        elif level > 0 and isinstance(x, dict):
+            for item in x.values():
+                visit(item, level - 1)
+
+    if isinstance(fn, functools.partial):
+        visit(list(fn.args) + list(fn.keywords.values()), depth)
+        fn = fn.func
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        visit(contents, depth)
+    return found
 
 
 def _grouped(result: Any) -> Any:

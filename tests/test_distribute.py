@@ -260,6 +260,9 @@ def test_compiled_writes_to_a_variable_on_another_device():
                 np.testing.assert_allclose(got[1], grads[1], rtol=1e-5, err_msg=f"{placement} {name} {mode}")
 
 
+W0_OPTIMIZERS = [1.0, 2.0]  # helpers.mirrored_optimizers.W0
+
+
 def test_keras_optimizer_steps_in_replica_context():
     """A Keras optimizer's apply_gradients in replica context, inside each
     replica's tape: the optimizer all-reduces the gradients (recorded on each
@@ -287,6 +290,8 @@ def test_keras_optimizer_steps_in_replica_context():
         got = out["legacy_SGD"][mode]
         assert got.get("error") == "UntrackedWriteError", got
         assert "computed by another replica" in got["message"]
+        # Refused before any replica's component was written.
+        assert got["components"] == [W0_OPTIMIZERS, W0_OPTIMIZERS], got
 
 
 def test_fit_under_mirrored_strategy_equals_one_device():

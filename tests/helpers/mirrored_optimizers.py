@@ -60,12 +60,16 @@ def single_device(name: str) -> List[List[Any]]:
     return out
 
 
-def mirrored(strategy: Any, name: str, compiled: bool) -> List[List[Any]]:
-    """Each step's [sum over replicas of d/d lr, of d/d w, each component]."""
+def mirrored(strategy: Any, name: str, compiled: bool, made: Any = None) -> List[List[Any]]:
+    """Each step's [sum over replicas of d/d lr, of d/d w, each component].
+    ``made``, a dict, gets the variable ``w``."""
     from assigntape import AssignAwareTape
 
     with strategy.scope():
         w, lr = tf.Variable(W0), tf.Variable(0.1)
+    if made is not None:
+        made["w"] = w
+    with strategy.scope():
         optimizer = optimizers(lr)[name]()
         _build(optimizer, [w])
     xs = strategy.experimental_distribute_values_from_function(
@@ -111,7 +115,11 @@ def main() -> None:
     for name in optimizers(tf.Variable(0.1)):
         out[name] = {"single": single_device(name)}
         for mode in ("eager", "compiled"):
-            out[name][mode] = _outcome(lambda: mirrored(strategy, name, mode == "compiled"))
+            made: Dict[str, Any] = {}
+            out[name][mode] = _outcome(lambda: mirrored(strategy, name, mode == "compiled", made))
+            if "error" in out[name][mode] and "w" in made:
+                # What a refused step left in the components.
+                out[name][mode]["components"] = [c.numpy().tolist() for c in strategy.experimental_local_results(made["w"])]
     print(json.dumps(out))
 
 
