@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from assigntape import _versions
 from assigntape._errors import UntrackedWriteError
-from assigntape._tf import context, distribute_lib, nest, ops, tensor_lib
+from assigntape._tf import context, distribute_lib, distribute_values, nest, ops, tensor_lib
 from assigntape._wrapping import bind
 
 __all__ = ["distributed_update"]
@@ -57,7 +57,12 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     components = getattr(var, "values", ())
     aggregation = getattr(var, "aggregation", None)
     if (
-        getattr(aggregation, "name", None) == "NONE"
+        # TensorFlow applies an update to each component with that replica's
+        # arguments, whatever the aggregation: for a NONE variable (how a Keras
+        # optimizer applies the gradients it all-reduced on the replicas'
+        # tapes) and for a SyncOnReadVariable (whose replica-context writes
+        # never come here: the aggregation is for reads) that is all there is.
+        (getattr(aggregation, "name", None) == "NONE" or isinstance(var, distribute_values.SyncOnReadVariable))
         and components
         and sorted(replicas) == list(range(len(components)))
     ):

@@ -270,11 +270,13 @@ def test_keras_optimizer_steps_in_replica_context():
     which is a version on its own replica's tape. The replicas' meta-gradients
     sum to the single-device meta-gradient of the summed objective, and the
     components equal the single-device weights, step after step (slots and
-    iteration counters carried), eager and compiled. A tf_keras legacy
+    iteration counters carried), eager and compiled; also for trainable
+    SyncOnReadVariables of every aggregation (TensorFlow updates each
+    component with its replica's arguments). A tf_keras legacy
     optimizer, which applies every replica's update with the first replica's
     coefficients, is refused."""
     out = _helper_output("mirrored_optimizers")
-    for name in ("SGD", "SGD_momentum", "Adam", "RMSprop"):
+    for name in ("SGD", "SGD_momentum", "Adam", "RMSprop", "SGD_on_read_none", "SGD_on_read_sum", "SGD_on_read_mean"):
         single = out[name]["single"]
         assert single[0][0] != single[1][0]  # the steps differ
         for mode in ("eager", "compiled"):

@@ -60,13 +60,25 @@ def single_device(name: str) -> List[List[Any]]:
     return out
 
 
+# Trainable SyncOnReadVariables stepped by Keras SGD, by aggregation.
+ON_READ = {"SGD_on_read_" + a.lower(): a for a in ("NONE", "SUM", "MEAN")}
+
+
 def mirrored(strategy: Any, name: str, compiled: bool, made: Any = None) -> List[List[Any]]:
     """Each step's [sum over replicas of d/d lr, of d/d w, each component].
     ``made``, a dict, gets the variable ``w``."""
     from assigntape import AssignAwareTape
 
     with strategy.scope():
-        w, lr = tf.Variable(W0), tf.Variable(0.1)
+        if name in ON_READ:
+            w = tf.Variable(
+                W0, synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=getattr(tf.VariableAggregation, ON_READ[name]), trainable=True,
+            )
+            name = "SGD"
+        else:
+            w = tf.Variable(W0)
+        lr = tf.Variable(0.1)
     if made is not None:
         made["w"] = w
     with strategy.scope():
@@ -112,8 +124,8 @@ def main() -> None:
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     out: Dict[str, Any] = {}
-    for name in optimizers(tf.Variable(0.1)):
-        out[name] = {"single": single_device(name)}
+    for name in [*optimizers(tf.Variable(0.1)), *ON_READ]:
+        out[name] = {"single": single_device("SGD" if name in ON_READ else name)}
         for mode in ("eager", "compiled"):
             made: Dict[str, Any] = {}
             out[name][mode] = _outcome(lambda: mirrored(strategy, name, mode == "compiled", made))
