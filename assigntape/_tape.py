@@ -303,15 +303,18 @@ class AssignAwareTape(tf.GradientTape):
         # needs none of nest's flattening and packing, which cost as much as the rest here.
         flat_sources = list(sources) if simple else nest.flatten(sources)
         mapped_sources: List[Any] = []
-        # What TensorFlow is given: a variable where its handle now is the
-        # version wanted (TensorFlow takes ``v.handle`` itself, and a bare handle
-        # costs it two failed attribute lookups more a source), else the version.
+        # What TensorFlow is given: the variable itself where ``v.handle`` is
+        # the version wanted and serving it has no side effect (no tape open in
+        # this thread: the variable's own handle), as it takes ``v.handle``
+        # itself and a bare handle costs it two failed attribute lookups more
+        # a source; else the version.
+        plain = not _versions.open_here()
         given: List[Any] = []
         for s in flat_sources:
             var = _versions.gradient_variable(s)
             version = s if var is None else self._versions_of(var)[0]
             mapped_sources.append(version)
-            given.append(var if var is not None and var.handle is version else version)
+            given.append(var if plain and var is not None and version is _versions.canonical_handle(var) else version)
         if isinstance(target, tensor_lib.Tensor):  # the common case, without nest
             mapped_target = target
         else:

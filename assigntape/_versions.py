@@ -237,19 +237,19 @@ def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[i
     """A plain tape or forward accumulator that held versions (``held_by``) is
     entered again, in the same graph, with no tape of ours open there: it goes
     on from them, except for the variables written meanwhile (``written``, by
-    id of their own handle), whose own handle is current: for it such a write
-    is one it did not record, as under ``stop_recording``."""
+    id of their own handle): for it such a write is one it did not record, as
+    under ``stop_recording``, so they go on from a new version with no
+    gradient path (their own handle may be a version it started from)."""
     key = current_key()
-    if key in _scopes():
-        return
-    entries = [(uid, h, var) for uid, (h, var) in held.items() if id(canonical_handle(var)) not in written]
-    if not entries:
+    if key in _scopes() or not held:
         return
     scope = _scopes()[key] = Scope(key)
     with _all_lock:
         _all_scopes.append(scope)
     scope.holders = [holder]
-    for _, handle, var in entries:
+    for handle, var in held.values():
+        if id(canonical_handle(var)) in written:
+            handle = new_version(canonical_handle(var), None)
         scope.adopt(var, handle)
 
 
@@ -280,6 +280,13 @@ def _drop(scope: Scope) -> None:
     _scopes().pop(scope.key, None)
     with _all_lock:
         _all_scopes.remove(scope)
+
+
+def open_here() -> bool:
+    """Whether this thread has a scope (an open tape, or versions held for a
+    plain one): else ``v._handle`` is the variable's own handle, served with
+    no side effect."""
+    return bool(getattr(_tls, "scopes", None))
 
 
 def any_scopes() -> bool:

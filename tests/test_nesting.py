@@ -383,3 +383,38 @@ def test_a_function_writing_while_a_plain_tape_holds_versions_is_refused_and_wri
         with pytest.raises(UntrackedWriteError, match="plain tf.GradientTape or ForwardAccumulator that recorded"):
             write()
     assert float(c) == 6.0
+
+
+@modes
+@pytest.mark.parametrize("recorder", ["plain tape", "forward accumulator"])
+def test_a_recorder_entered_again_after_a_write_has_no_path_to_the_variable_before_it(mode, recorder):
+    """As above, the gradient (or tangent) with respect to the variable itself:
+    its source is its value when the recorder was first entered, and the write
+    made while it was closed cut that path (the recorder went on from the
+    variable's own handle, which is that source: 3.0 instead of None)."""
+    with AssignAwareTape():
+        pass  # installed before the recorder opens
+    v, u = tf.Variable(2.0, dtype=tf.float64), tf.Variable(3.0, dtype=tf.float64)
+
+    def program():
+        v.assign(2.0)
+        if recorder == "plain tape":
+            outer = tf.GradientTape(persistent=True)
+        else:
+            outer = tf.autodiff.ForwardAccumulator(v, tf.constant(1.0, tf.float64))
+        with outer:
+            with AssignAwareTape():
+                v.assign(v * u)
+        v.assign(10.0)  # while the recorder is closed
+        with outer:
+            y = v * u
+        if recorder == "plain tape":
+            dv, du = outer.gradient(y, [v, u])
+            return [np.nan if dv is None else dv, du, y]
+        tangent = outer.jvp(y)
+        return [np.nan if tangent is None else tangent, y]
+
+    got = [float(x) for x in run(mode, program)]
+    # The rewrite: y = stop_gradient(10) * u0: nothing reaches v0; dy/du0 = 10.
+    expected = [np.nan, 10.0, 30.0] if recorder == "plain tape" else [np.nan, 30.0]
+    np.testing.assert_allclose(got, expected, rtol=1e-12)

@@ -330,3 +330,52 @@ def test_reentered_tape_after_reset_keeps_the_versions_it_started_from():
         y = v * v
     assert float(tape.gradient(y, v)) == 12.0  # 2 * 6
     assert tape.gradient(y, a) is None  # the write to v is before the reset
+
+
+@pytest.mark.parametrize("inner_cls", [AssignAwareTape, tf.GradientTape], ids=["aware", "plain"])
+def test_a_gradient_asked_under_stop_recording_leaves_a_closed_write_to_the_first_read(inner_cls):
+    # A gradient asked (TensorFlow's pattern: under stop_recording) before the
+    # first read of a variable written while an outer tape was closed must not
+    # make that first read itself: it did, unrecorded, and the inner tape lost
+    # the variable's gradient (adversarial finding).
+    v, x = tf.Variable(1.0), tf.constant(3.0)
+    outer = AssignAwareTape(persistent=True)
+    with outer:
+        pass
+    v.assign(2.0)  # written while the outer tape is closed
+    with outer:
+        with inner_cls(persistent=True) as inner:
+            inner.watch(x)
+            y0 = x * 2.0
+            with inner.stop_recording():
+                inner.gradient(y0, [x, v])
+            y = v * x
+    assert float(inner.gradient(y, v)) == 3.0 and float(inner.gradient(y, x)) == 2.0
+
+
+def test_a_gradient_asked_in_an_open_tape_does_not_mark_its_sources_read():
+    # Asking a closed tape's gradient while another tape is open read the
+    # sources through that tape: a write from another thread to a variable no
+    # open tape read was then refused (adversarial finding).
+    import threading
+
+    v, u, x = tf.Variable(1.0), tf.Variable(2.0), tf.constant(3.0)
+    with AssignAwareTape(persistent=True) as first:
+        first.watch(x)
+        y = x * u
+    outcome = []
+
+    def write() -> None:
+        try:
+            v.assign(5.0)
+            outcome.append("wrote")
+        except Exception as e:  # noqa: BLE001 - the test looks at what was raised
+            outcome.append(type(e).__name__)
+
+    with AssignAwareTape():
+        _ = u * 2.0
+        first.gradient(y, [x, v])
+        thread = threading.Thread(target=write)
+        thread.start()
+        thread.join()
+    assert outcome == ["wrote"] and float(v) == 5.0

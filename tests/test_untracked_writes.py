@@ -278,3 +278,17 @@ def test_a_write_through_a_kept_handle_after_an_assign_outside_every_tape_is_a_v
 
     gx, gc = run(mode, program)
     assert float(gx) == 2 * 6.0 * 3.0 and gc is None
+
+
+def test_a_gradient_asked_with_an_unnamed_written_source_the_tape_never_read():
+    # gradient() must not read the source through its descriptor: that read
+    # refused the variable (written through a handle no tape could name) though
+    # the tape never read it, where it is plain TensorFlow (adversarial finding).
+    uninstall()
+    w, c = tf.Variable(2.0), tf.Variable(1.0, name="made_before")
+    handle = c.handle
+    with AssignAwareTape(persistent=True) as tape:
+        tf.raw_ops.AssignVariableOp(resource=handle, value=tf.constant(5.0))
+        y = w * 3.0
+        inside = tape.gradient(y, [w, c])
+    assert float(inside[0]) == 3.0 and inside[1] is None
