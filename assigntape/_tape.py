@@ -320,6 +320,12 @@ class AssignAwareTape(tf.GradientTape):
         else:
             mapped_target = nest.map_structure(lambda t: self._version(t, -1), target)
         zero = unconnected_gradients in (UnconnectedGradients.ZERO, "zero")
+        # A non-persistent tape is done once asked: writes need no following
+        # from here, and while a closed tape is followed every patched
+        # function does its work, in the backward pass too.
+        done = not self._persistent and not self._recording
+        if done:
+            self._end_lease()
         try:
             flat_grads = super().gradient(
                 mapped_target,
@@ -327,8 +333,10 @@ class AssignAwareTape(tf.GradientTape):
                 output_gradients,
                 UnconnectedGradients.NONE if zero else unconnected_gradients,
             )
-        except ValueError as e:
-            if "creates a resource in its body" not in str(e):
+        except BaseException as e:
+            if done and self._tape is not None:
+                self._start_lease()  # TensorFlow kept the record: it may be asked again
+            if not isinstance(e, ValueError) or "creates a resource in its body" not in str(e):
                 raise
             # A gradient inside a loop body needed one of the handles the tape
             # made there; TensorFlow cannot carry resources out of a loop body.
@@ -344,7 +352,7 @@ class AssignAwareTape(tf.GradientTape):
                 for g, raw, mapped in zip(flat_grads, flat_sources, mapped_sources)
             ]
         if not self._persistent:
-            self._end_lease()
+            self._end_lease()  # (asked while recording: ends here)
         if simple:
             return type(sources)(flat_grads)
         return nest.pack_sequence_as(sources, flat_grads)

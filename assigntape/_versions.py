@@ -908,6 +908,8 @@ def canonical_handle(var: Any) -> Any:
     return var.__dict__["_handle"]
 
 
+_RESOURCE_VARIABLE = resource_variable_ops.ResourceVariable
+
 # Where wrappers keep the variable they delegate to: Keras 3's ``Variable``
 # (``_value``), tf_keras mixed precision's ``AutoCastVariable`` (``_variable``),
 # and tf.distribute's ``AggregatingVariable`` (``_v``; parameter-server and
@@ -921,6 +923,8 @@ def resolve(x: Any) -> Optional[Any]:
     itself, or the variable a wrapper delegates to (for a ``MirroredVariable``
     or ``SyncOnReadVariable``, the component of the current replica, or the
     primary one in cross-replica context), else None (a tensor)."""
+    if type(x) is _RESOURCE_VARIABLE and "_handle" in x.__dict__:  # the usual case, without isinstance
+        return x
     for _ in range(8):  # wrappers of wrappers, never a cycle
         attributes = getattr(x, "__dict__", None)
         if attributes is None:
@@ -952,14 +956,16 @@ def gradient_variable(x: Any) -> Optional[Any]:
     """``resolve`` for a source or target of ``gradient``, which refuses a
     ``ShardedVariable`` (a parameter-server variable split in shards) with the
     fix, where TensorFlow's own tapes fail with an AttributeError."""
+    var = resolve(x)
+    if var is not None:
+        return var
     if isinstance(x, ShardedVariable):
         raise NotAVariableError(
             f"{x.name!r} is a ShardedVariable (a variable split across parameter servers), "
             "which no gradient tape takes as a whole: give its shards instead "
             "(v.variables), as sources or targets, and concatenate their gradients."
         )
-    var = resolve(x)
-    if var is None and isinstance(x, _BASE_VARIABLE):
+    if isinstance(x, _BASE_VARIABLE):
         raise NotAVariableError(
             f"{getattr(x, 'name', type(x).__name__)!r} ({type(x).__name__}) stands for no single "
             "tf.Variable the tape can find: it has no handle of its own and does not hold exactly "
