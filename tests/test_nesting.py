@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -247,6 +249,13 @@ def test_plain_tape_reads_after_the_aware_tape_inside_it_closed(mode, then):
     np.testing.assert_allclose([float(gx), float(gc), float(dc)], expected, rtol=1e-6)
 
 
+def _recorder(kind: str, primal: Any) -> Any:
+    """A persistent plain tape, or a forward accumulator with tangent 1 for ``primal``."""
+    if kind == "plain tape":
+        return tf.GradientTape(persistent=True)
+    return tf.autodiff.ForwardAccumulator(primal, tf.constant(1.0, tf.float64))
+
+
 @modes
 @pytest.mark.parametrize("recorder", ["plain tape", "forward accumulator"])
 @pytest.mark.parametrize("between", ["nothing", "a write", "a write in a function"])
@@ -263,10 +272,7 @@ def test_a_recorder_entered_again_goes_on_from_the_versions_it_held(mode, record
 
     def program():
         v.assign(2.0)
-        if recorder == "plain tape":
-            outer = tf.GradientTape(persistent=True)
-        else:
-            outer = tf.autodiff.ForwardAccumulator(a, tf.constant(1.0, tf.float64))
+        outer = _recorder(recorder, a)
         with outer:
             if recorder == "plain tape":
                 outer.watch(a)
@@ -398,10 +404,7 @@ def test_a_recorder_entered_again_after_a_write_has_no_path_to_the_variable_befo
 
     def program():
         v.assign(2.0)
-        if recorder == "plain tape":
-            outer = tf.GradientTape(persistent=True)
-        else:
-            outer = tf.autodiff.ForwardAccumulator(v, tf.constant(1.0, tf.float64))
+        outer = _recorder(recorder, v)
         with outer:
             with AssignAwareTape():
                 v.assign(v * u)
