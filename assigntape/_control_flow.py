@@ -332,11 +332,14 @@ def rebase_for_recorder() -> None:
     if found is None or found[1] is None or pywrap_tfe.TFE_Py_TapeSetIsStopped():
         return
     branch = found[1]
-    uids = {uid for b in _versions._chain(branch) for uid in b.values}
-    for uid in sorted(uids):
+    written: Dict[str, Any] = {}
+    for b in _versions._chain(branch):
+        for uid, (var, _) in b.values.items():
+            written.setdefault(uid, var)
+    for uid in sorted(written):
         if branch.carried is not None and uid not in branch.carried:
             continue  # a loop body that does not carry it: left as it was
-        var = next(b.values[uid][0] for b in _versions._chain(branch) if uid in b.values)
+        var = written[uid]
         handle = branch.version_of(var)
         resource_variable_ops.variable_accessed(var)  # watched: the read below is recorded
         value = gen_resource_variable_ops.read_variable_op(handle, var.dtype)

@@ -323,7 +323,7 @@ class AssignAwareTape(tf.GradientTape):
         # A non-persistent tape is done once asked: writes need no following
         # from here, and while a closed tape is followed every patched
         # function does its work, in the backward pass too.
-        done = not self._persistent and not self._recording
+        done = not self._persistent
         if done:
             self._end_lease()
         try:
@@ -334,8 +334,8 @@ class AssignAwareTape(tf.GradientTape):
                 UnconnectedGradients.NONE if zero else unconnected_gradients,
             )
         except BaseException as e:
-            if done and self._tape is not None:
-                self._start_lease()  # TensorFlow kept the record: it may be asked again
+            if done and self._tape is not None and self._scope is None:
+                self._start_lease()  # closed, and TensorFlow kept the record: it may be asked again
             if not isinstance(e, ValueError) or "creates a resource in its body" not in str(e):
                 raise
             # A gradient inside a loop body needed one of the handles the tape
@@ -351,8 +351,6 @@ class AssignAwareTape(tf.GradientTape):
                 self._zeros_for(raw, mapped) if g is None else g
                 for g, raw, mapped in zip(flat_grads, flat_sources, mapped_sources)
             ]
-        if not self._persistent:
-            self._end_lease()  # (asked while recording: ends here)
         if simple:
             return type(sources)(flat_grads)
         return nest.pack_sequence_as(sources, flat_grads)
@@ -454,4 +452,3 @@ class AssignAwareTape(tf.GradientTape):
             if handle is mapped:
                 shape = write.old_shape
         return _versions.zeros_like_source(var, mapped, shape)
-

@@ -855,14 +855,13 @@ class HandleDescriptor:
         d = inst.__dict__
         scopes = getattr(_tls, "scopes", None)
         if scopes:
+            uid = d.get("_unique_id")
             ctx = _context._context
             if ctx is not None and ctx._thread_local_data.is_eager:
                 scope = scopes.get(None)
-                uid = d.get("_unique_id")
                 handle = None if scope is None else scope.current.get(uid)
             else:
                 scope = _enclosing_scope(scopes)
-                uid = d.get("_unique_id")
                 handle = None if scope is None else scope.current.get(uid)
                 branches = getattr(_tls, "branches", None)
                 if scope is not None and branches:
