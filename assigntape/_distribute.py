@@ -24,16 +24,18 @@ variable) reduces its values outside every tape: refused, or cut by option.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List
+import sys
+import types
+from typing import Any, Callable, Dict, List
 
 import tensorflow as tf
 
 from assigntape import _versions
 from assigntape._errors import UntrackedWriteError
-from assigntape._tf import context, distribute_lib, distribute_values, nest, ops, tensor_lib
+from assigntape._tf import ALL_REDUCE_MERGE_FN, V1_OPTIMIZER_FINISH, V1_OPTIMIZER_UPDATE, context, distribute_lib, distribute_values, indexed_slices, nest, ops, tensor_lib
 from assigntape._wrapping import bind
 
-__all__ = ["distributed_update"]
+__all__ = ["aggregated_write", "cross_replica_reduce", "distributed_update", "non_slot_update"]
 
 
 def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -66,12 +68,11 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
         and components
         and sorted(replicas) == list(range(len(components)))
     ):
-        fn = arguments["fn"]
+        fn = _coefficients_per_replica(arguments["fn"])
         # Before any component is written: a value the update function holds
         # (its closure) that one replica's tape computed and another's cannot
         # follow is refused now, not after the first replicas' components are
-        # updated (tf_keras legacy optimizers hold the first replica's
-        # coefficients there).
+        # updated.
         held = _held_tensors(fn)
         if held:
             merging = list(replicas.values())
@@ -114,6 +115,175 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
         with _versions.acting_for(scope, scopes):
             _versions.cut([scope], components[replica], "a cross-replica update", after)
     return result
+
+
+def non_slot_update(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``StrategyExtendedV1.update_non_slot``: a ``tf.compat.v1.train``
+    optimizer's update of its own variables (Adam's powers of the betas), on
+    each device in turn, in merge_call. Each device's update runs as its
+    replica, like a component's in ``distributed_update``, with the
+    optimizer's coefficients computed again as that replica."""
+    replicas = _versions.replica_scopes() if _versions.open_elsewhere() else {}
+    if not replicas:
+        return wrapped(*args, **kwargs)
+    arguments = bind(("colocate_with", "fn", "args", "kwargs", "group"), args, kwargs)
+    fn, merging = arguments["fn"], list(replicas.values())
+
+    def as_its_replica(*a: Any, **k: Any) -> Any:
+        replica = distribute_lib.get_update_replica_id()
+        if replica not in replicas:
+            raise UntrackedWriteError(
+                "A non-slot update (update_non_slot) on a device no replica with an open "
+                "AssignAwareTape runs on: it cannot be made a version of any replica's tape."
+            )
+        with _versions.acting_for(replicas[replica], merging):
+            if getattr(fn, "__code__", None) is V1_OPTIMIZER_FINISH:
+                a[0]._prepare()  # finish(optimizer, update_ops)
+            return fn(*a, **k)
+
+    arguments["fn"] = as_its_replica
+    return wrapped(**arguments)
+
+
+def _coefficients_per_replica(fn: Any) -> Any:
+    """A tf_keras legacy (or ``tf.compat.v1.train``) optimizer's update
+    function, made to compute its coefficients as the replica whose component
+    it updates.
+
+    ``OptimizerV2._distributed_apply`` closes its update function over
+    ``apply_state``: the coefficients (learning rate, powers of the betas,
+    ...) that the replica whose ``merge_call`` function is used, the first,
+    computed on its own tape. Every replica's component would be updated with
+    them, out of reach of the other replicas' tapes. With ``apply_state``
+    None, each ``_resource_apply_*`` computes them again
+    (``_fallback_apply_state``, which every tf_keras optimizer calls), in the
+    update of each component: as its replica, on its replica's tapes, from
+    the same values. Any other function is returned as it is.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is V1_OPTIMIZER_UPDATE:
+        # tf.compat.v1.train: the coefficients are the optimizer's attributes,
+        # set by ``_prepare()`` once in merge_call, outside every replica's
+        # tape: set them again, as the replica.
+        optimizer = fn.__closure__[code.co_freevars.index("self")].cell_contents
+
+        def prepared(*args: Any, **kwargs: Any) -> Any:
+            optimizer._prepare()
+            return fn(*args, **kwargs)
+
+        return prepared
+    if (
+        code is None
+        or "apply_state" not in code.co_freevars
+        or not fn.__qualname__.endswith("_distributed_apply.<locals>.apply_grad_to_update_var")
+        or not fn.__module__.startswith("tf_keras.")
+    ):
+        return fn
+    cells = tuple(
+        types.CellType(None) if name == "apply_state" else cell
+        for name, cell in zip(code.co_freevars, fn.__closure__)
+    )
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+
+
+def cross_replica_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``StrategyExtendedV2.reduce_to`` / ``batch_reduce_to`` in a ``merge_call``,
+    of values the replicas' tapes recorded.
+
+    The reduction runs in the main thread, outside every replica's tape
+    (tf_keras legacy optimizers and ``tf.compat.v1.train`` optimizers sum the
+    replicas' gradients this way): each replica's component of the result is
+    linked, on that replica's tapes, to the value that replica gave, with
+    TensorFlow's gradient of an all-reduce (the same reduction of the upstream
+    gradients, in replica context). ``ReplicaContext.all_reduce`` reduces here
+    too, under a custom gradient of its own that the tapes follow already: left
+    alone. A reduction to one device, or of ``IndexedSlices``, is refused.
+    """
+    replicas = _versions.replica_scopes() if _versions.open_elsewhere() else {}
+    if not replicas or _inside_all_reduce():
+        return wrapped(*args, **kwargs)
+    batched = wrapped.__name__ == "batch_reduce_to"
+    if batched:
+        arguments = bind(("reduce_op", "value_destination_pairs", "options"), args, kwargs)
+        values = [value for value, _ in arguments["value_destination_pairs"]]
+        destinations = [destination for _, destination in arguments["value_destination_pairs"]]
+    else:
+        arguments = bind(("reduce_op", "value", "destinations", "options"), args, kwargs)
+        values, destinations = [arguments["value"]], [arguments["destinations"]]
+    recorded = [_recorded_parts(value, replicas) for value in values]
+    if not any(recorded):
+        return wrapped(*args, **kwargs)
+    reduce_op = arguments["reduce_op"]
+    if isinstance(reduce_op, str):
+        reduce_op = tf.distribute.ReduceOp(reduce_op.upper())
+    results = wrapped(*args, **kwargs)
+    merging = list(replicas.values())
+    linked = []
+    for parts, destination, result in zip(recorded, destinations, results if batched else [results]):
+        components = getattr(result, "values", None)
+        if not parts:
+            linked.append(result)
+            continue
+        if not isinstance(components, tuple) or len(components) != len(parts) or any(
+            isinstance(x, indexed_slices.IndexedSlices) for x in parts + list(components)
+        ):
+            raise UntrackedWriteError(
+                f"A cross-replica reduction ({wrapped.__name__}, in merge_call) toward "
+                f"{getattr(destination, 'name', destination)!r} of values an AssignAwareTape "
+                "open in the replicas recorded, to one device or of IndexedSlices (an "
+                "aggregated variable's write under CentralStorageStrategy, an optimizer "
+                "given sparse gradients): its result cannot be linked to each replica's tape, so anything "
+                "computed from it would lose its gradient path, a silently wrong gradient. "
+                "Reduce in replica context instead (tf.distribute.get_replica_context().all_reduce), "
+                "with dense values (an optimizer given sparse gradients from an embedding: "
+                "tf.convert_to_tensor(grad) first)."
+            )
+        new = []
+        for replica, (part, component) in enumerate(zip(parts, components)):
+            with _versions.acting_for(replicas[replica], merging):
+                new.append(_all_reduced(part, component, reduce_op))
+        linked.append(distribute_values.Mirrored(tuple(new)))
+    return linked if batched else linked[0]
+
+
+def _inside_all_reduce() -> bool:
+    """Whether this reduction is ``ReplicaContext.all_reduce``'s own (its
+    ``merge_call`` function is on the stack)."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code is ALL_REDUCE_MERGE_FN:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _recorded_parts(value: Any, replicas: Dict[int, Any]) -> List[Any]:
+    """A per-replica value's parts if a replica's tapes recorded its part, else []."""
+    parts = getattr(value, "values", None)
+    if not isinstance(parts, tuple) or sorted(replicas) != list(range(len(parts))):
+        return []
+    for replica, part in enumerate(parts):
+        tensors = [t for t in nest.flatten(part, expand_composites=True) if isinstance(t, tensor_lib.Tensor)]
+        if tensors and _versions.recorded_by(replicas[replica], tensors):
+            return list(parts)
+    return []
+
+
+def _all_reduced(part: Any, component: Any, reduce_op: Any) -> Any:
+    """``component`` (the reduction's result on a replica's device), recorded
+    as a function of ``part`` (the value that replica gave) with TensorFlow's
+    gradient of an all-reduce."""
+
+    @tf.custom_gradient
+    def reduced(x: Any) -> Any:
+        def grad(upstream: Any) -> Any:
+            return distribute_lib.get_replica_context().all_reduce(reduce_op, upstream)
+
+        return tf.identity(component), grad
+
+    return reduced(part)
 
 
 def _held_tensors(fn: Any, depth: int = 3) -> List[Any]:

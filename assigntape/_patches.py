@@ -237,6 +237,9 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # Cross-replica updates (_distribute). ``update`` is defined once, on the
         # base class, and every strategy's ``extended`` inherits it.
         (distribute_lib.StrategyExtendedV2, "update", _distribute.distributed_update),
+        (distribute_lib.StrategyExtendedV2, "reduce_to", _distribute.cross_replica_reduce),
+        (distribute_lib.StrategyExtendedV2, "batch_reduce_to", _distribute.cross_replica_reduce),
+        (distribute_lib.StrategyExtendedV1, "update_non_slot", _distribute.non_slot_update),
         # MirroredVariable's replica-context write, which TensorFlow calls
         # through the module attribute.
         (distribute_values, "_on_write_update_replica", _distribute.aggregated_write),

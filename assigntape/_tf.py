@@ -13,6 +13,7 @@ checks that.
 
 from __future__ import annotations
 
+import types
 from typing import Any, List, Tuple
 
 import tensorflow as tf
@@ -111,6 +112,9 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (eager_tape, "variable_accessed", "refusing reads of variables written unseen"),
     (v1_optimizer, "_var_key", "tf.compat.v1 slots found again after a write"),
     (distribute_lib.StrategyExtendedV2, "update", "cross-replica updates"),
+    (distribute_lib.StrategyExtendedV1, "update_non_slot", "tf.compat.v1 optimizers' non-slot updates"),
+    (distribute_lib.StrategyExtendedV2, "reduce_to", "reductions in merge_call, linked on the replicas' tapes"),
+    (distribute_lib.StrategyExtendedV2, "batch_reduce_to", "reductions in merge_call, linked on the replicas' tapes"),
     (distribute_lib, "get_update_replica_id", "the replica a component's update is for"),
     (eager_tape, "push_tape", "recording a replica's update on its tapes, in merge_call"),
     (eager_tape, "pop_tape", "recording a replica's update on its tapes, in merge_call"),
@@ -132,8 +136,31 @@ PRIVATE: List[Tuple[Any, str, str]] = [
 ]
 
 
+def _inner_code(function: Any, name: str) -> Any:
+    """The code object of the function ``name`` defined inside ``function``."""
+    for const in function.__code__.co_consts:
+        if isinstance(const, types.CodeType) and const.co_name == name:
+            return const
+    return None
+
+
+# ReplicaContext.all_reduce's merge_call function, which reduces in
+# cross-replica context under a custom gradient of TensorFlow's own: the
+# replicas' tapes already follow it (``_distribute.cross_replica_reduce``).
+ALL_REDUCE_MERGE_FN = _inner_code(distribute_lib.ReplicaContext.all_reduce, "batch_all_reduce")
+
+# tf.compat.v1.train optimizers' update function and the function that
+# updates their non-slot variables (``_finish``), in their _distributed_apply.
+V1_OPTIMIZER_UPDATE = _inner_code(v1_optimizer.Optimizer._distributed_apply, "update")
+V1_OPTIMIZER_FINISH = _inner_code(v1_optimizer.Optimizer._distributed_apply, "finish")
+
+
 def _check() -> None:
     missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _ in PRIVATE if not hasattr(owner, name)]
+    if ALL_REDUCE_MERGE_FN is None:
+        missing.append("ReplicaContext.all_reduce.<locals>.batch_all_reduce")
+    if V1_OPTIMIZER_UPDATE is None or V1_OPTIMIZER_FINISH is None:
+        missing.append("Optimizer._distributed_apply.<locals>.update / finish")
     if missing:
         raise ImportError(
             f"assigntape supports TensorFlow {SUPPORTED}; TensorFlow {tf.__version__} lacks "
@@ -159,7 +186,7 @@ def executing_eagerly() -> bool:
     return ctx._thread_local_data.is_eager
 
 __all__ = [
-    "SUPPORTED", "PRIVATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph", "ShardedVariable",
+    "SUPPORTED", "PRIVATE", "ALL_REDUCE_MERGE_FN", "V1_OPTIMIZER_FINISH", "V1_OPTIMIZER_UPDATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph", "ShardedVariable",
     "UnliftedInitializerVariable",
     "UnconnectedGradients", "array_ops", "attr_value_pb2", "auto_control_deps", "backprop", "check_ops", "composite_tensor",
     "cond_v2", "config", "config_lib", "context", "control_flow_util", "distribute_lib", "distribute_utils", "distribute_values",

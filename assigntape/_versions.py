@@ -337,12 +337,25 @@ def _recording_tapes(scope: Scope) -> List[Any]:
     return [t for t in (r.recording_tape() for r in scope.records) if t is not None]
 
 
+def recorded_by(scope: Scope, tensors: Sequence[Any]) -> bool:
+    """Whether ``scope``'s recording tapes (a replica's, from its ``merge_call``)
+    would follow a gradient into any of ``tensors``."""
+    theirs = _recording_tapes(scope)
+    for tape in theirs:
+        eager_tape.push_tape(tape)
+    try:
+        return bool(pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop(tensors))
+    finally:
+        for tape in reversed(theirs):
+            eager_tape.pop_tape(tape)
+
+
 def refuse_foreign_inputs(var: Any, op_name: str, tensors: Sequence[Any]) -> None:
     """Acting for a replica in ``merge_call`` (``acting_for``): refuses a
     write whose value comes from another replica's tape and not this one's
-    (a tf_keras legacy optimizer applies every replica's update with the
-    coefficients the first replica computed), whose gradient this replica's
-    tape could not follow."""
+    (an update function holding values the first replica computed, as
+    tf_keras legacy optimizers do before ``_coefficients_per_replica``),
+    whose gradient this replica's tape could not follow."""
     merging = getattr(_tls, "merging", ())
     if not merging:
         return
@@ -356,24 +369,15 @@ def refuse_foreign_inputs(var: Any, op_name: str, tensors: Sequence[Any]) -> Non
         eager_tape.pop_tape(tape)
     try:
         for other in merging:
-            if other is acting:
-                continue
-            theirs = _recording_tapes(other)
-            for tape in theirs:
-                eager_tape.push_tape(tape)
-            try:
-                foreign = pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop(unseen)
-            finally:
-                for tape in reversed(theirs):
-                    eager_tape.pop_tape(tape)
-            if foreign:
-                        raise UntrackedWriteError(
+            if other is not acting and recorded_by(other, unseen):
+                raise UntrackedWriteError(
                     f"A cross-replica update of variable {var.name!r} by {op_name} uses a value "
                     "computed by another replica (not this one), while AssignAwareTapes are open "
                     "in the replicas: this replica's tape cannot follow its gradient, a silently "
-                    "wrong gradient. tf_keras legacy optimizers apply every replica's update with "
-                    "the first replica's coefficients; use a Keras 3 optimizer, or step each "
-                    "replica's own components (aggregation=NONE variables, assign_sub) inside the tape."
+                    "wrong gradient (merge_call hands the update function the values one replica "
+                    "passed it, for every replica's component). Compute such values inside the "
+                    "update function, or step each replica's own components (aggregation=NONE "
+                    "variables, assign_sub) in replica context inside the tape."
                 )
     finally:
         for tape in mine:

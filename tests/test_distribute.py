@@ -186,6 +186,18 @@ def test_mirrored_variable_kinds_and_aggregations():
         assert "result" in cut, (mode, cut)
         assert cut["result"]["v"] == 7.0 and cut["result"]["loss"] == [14.0, 14.0], (mode, cut)
         assert cut["result"]["grad"] == [7.0, 7.0] and cut["result"]["warned"] >= 1, (mode, cut)
+    # A value the tape recorded, summed over the replicas in a merge_call of
+    # the user's own (batch_reduce_to, as tf_keras legacy optimizers sum their
+    # gradients): each replica's gradient is the one TensorFlow's all_reduce
+    # gives. s = 2 + 6 = 8, loss = s**2 = 64; the upstream 2 s = 16 is summed
+    # over the replicas (32) and times c: d/dx = [32, 96], which sum to the
+    # summed objective's 64 x = 128. To one device: refused.
+    for mode in ("eager", "function"):
+        reference = out[f"reduction_all_reduce_{mode}"]
+        assert reference.get("result") == {"loss": [64.0, 64.0], "grad": [32.0, 96.0]}, (mode, reference)
+        assert out[f"reduction_merge_call_{mode}"].get("result") == reference["result"], (mode, out)
+        refused = out[f"reduction_one_device_{mode}"]
+        assert refused.get("error") == "UntrackedWriteError" and "to one device" in refused["message"], (mode, refused)
 
 
 def _functional_other_device():
@@ -240,7 +252,7 @@ def test_central_storage_strategy_meta_step_matches_one_device():
         np.testing.assert_allclose(got_w1, w1, rtol=1e-6, err_msg=mode)
     refused = out["replica"]
     assert refused["error"] == "UntrackedWriteError", refused
-    assert "cross-replica update of variable" in refused["message"] and "MEAN" in refused["message"]
+    assert "cross-replica reduction" in refused["message"] and "'Variable:0'" in refused["message"], refused
 
 
 def test_compiled_writes_to_a_variable_on_another_device():
@@ -260,9 +272,6 @@ def test_compiled_writes_to_a_variable_on_another_device():
                 np.testing.assert_allclose(got[1], grads[1], rtol=1e-5, err_msg=f"{placement} {name} {mode}")
 
 
-W0_OPTIMIZERS = [1.0, 2.0]  # helpers.mirrored_optimizers.W0
-
-
 def test_keras_optimizer_steps_in_replica_context():
     """A Keras optimizer's apply_gradients in replica context, inside each
     replica's tape: the optimizer all-reduces the gradients (recorded on each
@@ -272,11 +281,20 @@ def test_keras_optimizer_steps_in_replica_context():
     components equal the single-device weights, step after step (slots and
     iteration counters carried), eager and compiled; also for trainable
     SyncOnReadVariables of every aggregation (TensorFlow updates each
-    component with its replica's arguments). A tf_keras legacy
-    optimizer, which applies every replica's update with the first replica's
-    coefficients, is refused."""
+    component with its replica's arguments), and for tf_keras legacy and
+    tf.compat.v1.train optimizers (fused kernels; they sum the gradients in
+    merge_call, and hand every replica the first replica's coefficients or
+    compute them outside the replicas). Sparse legacy steps are refused
+    before anything is written."""
     out = _helper_output("mirrored_optimizers")
-    for name in ("SGD", "SGD_momentum", "Adam", "RMSprop", "SGD_on_read_none", "SGD_on_read_sum", "SGD_on_read_mean"):
+    # Sparse gradients are summed as IndexedSlices in merge_call: refused by
+    # name, nothing written.
+    sparse = out.pop("legacy_sparse")
+    assert sparse.get("error") == "UntrackedWriteError" and "IndexedSlices" in sparse["message"], sparse
+    assert sparse["components"] == [[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]] * 2, sparse  # as made
+    legacy = [name for name in out if name.startswith(("legacy_", "v1_"))]
+    assert len(legacy) == 12
+    for name in ("SGD", "SGD_momentum", "Adam", "RMSprop", "SGD_on_read_none", "SGD_on_read_sum", "SGD_on_read_mean", *legacy):
         single = out[name]["single"]
         assert single[0][0] != single[1][0]  # the steps differ
         for mode in ("eager", "compiled"):
@@ -288,12 +306,6 @@ def test_keras_optimizer_steps_in_replica_context():
                 np.testing.assert_allclose(s_w, d_w, rtol=1e-5, atol=1e-6, err_msg=label)
                 for component in c:
                     np.testing.assert_allclose(component, w1, rtol=1e-6, err_msg=label)
-    for mode in ("eager", "compiled"):
-        got = out["legacy_SGD"][mode]
-        assert got.get("error") == "UntrackedWriteError", got
-        assert "computed by another replica" in got["message"]
-        # Refused before any replica's component was written.
-        assert got["components"] == [W0_OPTIMIZERS, W0_OPTIMIZERS], got
 
 
 def test_fit_under_mirrored_strategy_equals_one_device():

@@ -75,6 +75,38 @@ def _cut_write(strategy, compiled, cut=True):
     }
 
 
+def _reduction(strategy, compiled, how):
+    """A value the replica's tape recorded (x * c, c = 1 on replica 0 and 3 on
+    replica 1), summed over the replicas ``how``: ``"all_reduce"`` (in replica
+    context, TensorFlow's own gradient), ``"merge_call"`` (a merge_call of the
+    user's own, with ``batch_reduce_to`` to the replicas' devices) or
+    ``"one_device"`` (``reduce_to`` one device). Per replica: the loss
+    (the sum squared) and d loss / d x."""
+    with strategy.scope():
+        x = tf.Variable(2.0)
+    sum_ = tf.distribute.ReduceOp.SUM
+
+    def merge(strategy, value):
+        if how == "one_device":
+            return strategy.extended.reduce_to(sum_, value, "/cpu:0")
+        return strategy.extended.batch_reduce_to(sum_, [(value, x)])[0]
+
+    def step(c):
+        with AssignAwareTape() as tape:
+            y = x * c
+            ctx = tf.distribute.get_replica_context()
+            s = ctx.all_reduce(sum_, y) if how == "all_reduce" else ctx.merge_call(merge, args=(y,))
+            loss = s * s
+        return loss, tape.gradient(loss, x)
+
+    cs = strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant([1.0, 3.0][ctx.replica_id_in_sync_group]))
+    loss, grad = strategy.run(tf.function(step) if compiled else step, args=(cs,))
+    return {
+        "loss": [float(t) for t in strategy.experimental_local_results(loss)],
+        "grad": [float(t) for t in strategy.experimental_local_results(grad)],
+    }
+
+
 def _cond_step(strategy):
     """The step with its write inside an autograph ``if`` on a tensor, compiled."""
     with strategy.scope():
@@ -119,6 +151,9 @@ def main() -> None:
     for compiled in (False, True):
         out[f"cut_aggregated_write_{'function' if compiled else 'eager'}"] = _outcome(lambda: _cut_write(strategy, compiled))
     out["merge_call_aggregated_write"] = _outcome(lambda: _cut_write(strategy, False, cut=False))
+    for how in ("all_reduce", "merge_call", "one_device"):
+        for compiled in (False, True):
+            out[f"reduction_{how}_{'function' if compiled else 'eager'}"] = _outcome(lambda: _reduction(strategy, compiled, how))
     print(json.dumps(out))
 
 

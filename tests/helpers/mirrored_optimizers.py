@@ -30,15 +30,29 @@ def optimizers(lr: Any) -> Dict[str, Callable[[], Any]]:
         "SGD_momentum": lambda: keras.optimizers.SGD(learning_rate=rate, momentum=0.9, nesterov=True),
         "Adam": lambda: keras.optimizers.Adam(learning_rate=rate),
         "RMSprop": lambda: keras.optimizers.RMSprop(learning_rate=rate),
+        # tf_keras legacy optimizers: fused kernels, coefficients per replica.
         "legacy_SGD": lambda: tf_keras.optimizers.legacy.SGD(learning_rate=rate),
+        "legacy_SGD_momentum": lambda: tf_keras.optimizers.legacy.SGD(learning_rate=rate, momentum=0.9, nesterov=True),
+        "legacy_Adam": lambda: tf_keras.optimizers.legacy.Adam(learning_rate=rate, amsgrad=True),
+        "legacy_Adamax": lambda: tf_keras.optimizers.legacy.Adamax(learning_rate=rate),
+        "legacy_Adagrad": lambda: tf_keras.optimizers.legacy.Adagrad(learning_rate=rate),
+        "legacy_RMSprop": lambda: tf_keras.optimizers.legacy.RMSprop(learning_rate=rate, centered=True, momentum=0.5),
+        "legacy_Ftrl": lambda: tf_keras.optimizers.legacy.Ftrl(learning_rate=rate, l2_regularization_strength=0.1),
+        # tf.compat.v1.train: fused kernels, coefficients and beta powers per replica.
+        "v1_SGD": lambda: tf.compat.v1.train.GradientDescentOptimizer(rate),
+        "v1_Momentum": lambda: tf.compat.v1.train.MomentumOptimizer(rate, 0.9, use_nesterov=True),
+        "v1_Adam": lambda: tf.compat.v1.train.AdamOptimizer(rate),
+        "v1_RMSProp": lambda: tf.compat.v1.train.RMSPropOptimizer(rate, momentum=0.5, centered=True),
+        "v1_Adagrad": lambda: tf.compat.v1.train.AdagradOptimizer(rate),
     }
 
 
 def _build(optimizer: Any, variables: List[Any]) -> None:
     if hasattr(optimizer, "build"):
         optimizer.build(variables)
-    else:  # tf_keras legacy
+    elif hasattr(optimizer, "_create_all_weights"):  # tf_keras legacy
         optimizer._create_all_weights(variables)
+    # tf.compat.v1.train optimizers make their slots in apply_gradients.
 
 
 def single_device(name: str) -> List[List[Any]]:
@@ -112,6 +126,30 @@ def mirrored(strategy: Any, name: str, compiled: bool, made: Any = None) -> List
     return out
 
 
+def sparse_legacy(strategy: Any) -> Dict[str, Any]:
+    """A tf_keras legacy Adagrad step on an embedding's IndexedSlices gradient,
+    in replica context: what it raised, and the table's components after."""
+    import tf_keras
+    from assigntape import AssignAwareTape
+
+    with strategy.scope():
+        table, lr = tf.Variable([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), tf.Variable(0.1)
+        optimizer = tf_keras.optimizers.legacy.Adagrad(lambda: lr * 1.0)
+        _build(optimizer, [table])
+
+    def step() -> Any:
+        with AssignAwareTape() as outer:
+            with tf.GradientTape() as inner:
+                loss = tf.reduce_sum(tf.gather(table, [0, 2]) ** 2)
+            optimizer.apply_gradients([(inner.gradient(loss, table), table)])
+            val = tf.reduce_sum(table)
+        return outer.gradient(val, lr)
+
+    out = _outcome(lambda: strategy.run(step))
+    out["components"] = [c.numpy().tolist() for c in strategy.experimental_local_results(table)]
+    return out
+
+
 def _outcome(fn: Callable[[], Any]) -> Dict[str, Any]:
     try:
         return {"result": fn()}
@@ -132,6 +170,7 @@ def main() -> None:
             if "error" in out[name][mode] and "w" in made:
                 # What a refused step left in the components.
                 out[name][mode]["components"] = [c.numpy().tolist() for c in strategy.experimental_local_results(made["w"])]
+    out["legacy_sparse"] = sparse_legacy(strategy)
     print(json.dumps(out))
 
 
