@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from assigntape._tf import (
     attr_value_pb2,
@@ -33,6 +33,7 @@ from assigntape._tf import (
     auto_control_deps,
     composite_tensor,
     control_flow_util,
+    eager_tape,
     gen_resource_variable_ops,
     handle_data_util,
     math_ops,
@@ -47,6 +48,7 @@ from assigntape._tf import (
 )
 
 from assigntape import _fused, _rules, _versions
+from assigntape._errors import ControlFlowWriteError
 from assigntape._wrapping import bind, params_of
 
 __all__ = ["branch_write", "cond", "build_cond", "while_loop"]
@@ -152,7 +154,9 @@ def _version_handle(branch: Any, var: Any, value: Any, after: Optional[Any], tap
     there. Its registered gradient goes to ``value``. (Ops on it are ordered
     with those on the tape-level version by ``_resolve_branch_versions``.)
     """
-    root = branch.scope.current_version(var)
+    # (For a tape opened in another tape's body, its own versions are handles
+    # made in that body: the outermost tape's version instead.)
+    root = _versions.outermost(branch.scope).current_version(var)
     # Unrecorded (the tapes and accumulators get it below, as one op from
     # ``value``): a forward accumulator would otherwise try to differentiate
     # the IdentityN itself and fail on its resource output.
@@ -243,10 +247,11 @@ def branch_write(
         # the read: a tape records the read (and the capture of an outer
         # version into this body) only of what it watches already.
         resource_variable_ops.variable_accessed(var)
+    stopped = _stopped_for_symbolic(branch, var, op_name)
     old_value = gen_resource_variable_ops.read_variable_op(old, var.dtype)
     value = rule.value(old_value, arguments)
     taped = None
-    if pywrap_tfe.TFE_Py_TapeSetIsStopped() or not branch.scope.recording():
+    if stopped:
         # Under stop_recording: a new version with no gradient path, as outside,
         # for the tape that stopped (whose gradient of the body is the cond's
         # or loop's own, symbolic). A tape opened in the body and still
@@ -283,12 +288,12 @@ def fused_branch_write(
         for name in kernel.writes
         if arguments.get(name) is not None
     }
+    stopped = _stopped_for_symbolic(branch, next(iter(tracked.values())), op_name)
     # Watched before they are read, as in ``branch_write``.
     for var in tracked.values():
         resource_variable_ops.variable_accessed(var)
     values = {name: gen_resource_variable_ops.read_variable_op(h, dtype) for name, h in old.items()}
     new_values = _fused.new_values(kernel, values, arguments)
-    stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped() or not branch.scope.recording()
     with ops.control_dependencies([v.op for v in values.values()] + checks):
         result = wrapped(**arguments)
     for name in _fused.written(kernel, arguments):
@@ -297,6 +302,56 @@ def fused_branch_write(
             value = array_ops.stop_gradient(new_values[name]) if stopped else new_values[name]
             _branch_version(branch, var, value, result, new_values[name] if stopped else None)
     return result
+
+
+def _stopped_for_symbolic(branch: Any, var: Any, op_name: str) -> bool:
+    """Whether a write in ``branch`` has no gradient path in the cond's or
+    loop's own (symbolic) gradient: whether the tape whose graph holds the
+    outermost cond or loop around it is stopped now.
+
+    Every recorder that recorded a cond or loop around the write sees it
+    through that one symbolic gradient; one that records now while that tape
+    is stopped (or the other way round) would get the other's answer, a
+    silently wrong gradient: refused. (A recorder opened in the write's own
+    body sees it directly, recorded with the write: not refused.)"""
+    stopped = not _versions.records(_versions.outermost(branch.scope))
+    for entered in _entered_stack():
+        for recorder in entered:
+            if _versions.records(recorder) == stopped:
+                states = ("records", "is stopped") if stopped else ("is stopped", "records")
+                raise ControlFlowWriteError(
+                    f"{op_name} to variable {var.name!r} in a compiled tf.cond branch or loop "
+                    f"body nested in another, while a tape that recorded an enclosing cond or "
+                    f"loop {states[0]} and the outermost tape {states[1]}: both see the write only "
+                    "through the enclosing cond's or loop's own gradient, which cannot differ "
+                    "between them, so one would get a silently wrong gradient. Stop (or "
+                    "resume) recording around the whole enclosing cond or loop, or move the "
+                    "write out of the nested one."
+                )
+    return stopped
+
+
+def _entered_stack() -> List[List[Any]]:
+    """Per cond or loop being traced in this thread, outermost first: the
+    recorders (``_versions.recording_now``) recording as it was entered,
+    which record its op."""
+    found = getattr(_entered, "stack", None)
+    if found is None:
+        found = _entered.stack = []
+    return found
+
+
+_entered = threading.local()
+
+
+@contextlib.contextmanager
+def _entering() -> Iterator[None]:
+    stack = _entered_stack()
+    stack.append(_versions.recording_now())
+    try:
+        yield
+    finally:
+        stack.pop()
 
 
 def _branch_version(branch: Any, var: Any, value: Any, after: Any, taped: Optional[Any] = None) -> None:
@@ -315,7 +370,7 @@ def _branch_version(branch: Any, var: Any, value: Any, after: Any, taped: Option
     branch.scope.canonical[id(_versions.canonical_handle(var))] = var
 
 
-def rebase_for_recorder() -> None:
+def rebase_for_recorder(tape: Any) -> List[str]:
     """A plain tape was just entered inside a cond branch or loop body of a
     tape's graph: the variables the body has a value for (written in it, or
     carried by its loop) get that value again, read through their current
@@ -327,23 +382,31 @@ def rebase_for_recorder() -> None:
     there: its source, the handle current at its entry (whose gradient goes
     to that value, not from it), would get None. Read through the handle, the
     value's gradient reaches the handle, and from it, by the handle's own
-    gradient, the value before."""
+    gradient, the value before.
+
+    The read is recorded on ``tape`` (a plain ``GradientTape`` just entered)
+    whether or not it watches accessed variables: one that does not may
+    watch the variable later. Returns the unique ids of the variables read so.
+    """
     found = _versions.cond_context()
     if found is None or found[1] is None or pywrap_tfe.TFE_Py_TapeSetIsStopped():
-        return
+        return []
     branch = found[1]
     written: Dict[str, Any] = {}
     for b in _versions._chain(branch):
         for uid, (var, _) in b.values.items():
             written.setdefault(uid, var)
+    rebased = []
     for uid in sorted(written):
         if branch.carried is not None and uid not in branch.carried:
             continue  # a loop body that does not carry it: left as it was
         var = written[uid]
         handle = branch.version_of(var)
-        resource_variable_ops.variable_accessed(var)  # watched: the read below is recorded
+        eager_tape.watch(tape._tape, handle)  # the read below is recorded on it
         value = gen_resource_variable_ops.read_variable_op(handle, var.dtype)
         _branch_version(branch, var, value, value)
+        rebased.append(uid)
+    return rebased
 
 
 # -- duplicate indices under XLA -------------------------------------------------
@@ -425,7 +488,8 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
     arguments["false_fn"] = traced(arguments["false_fn"])
     _pending.append(branches)
     try:
-        out, values = wrapped(**arguments)
+        with _entering():
+            out, values = wrapped(**arguments)
     finally:
         _pending.remove(branches)
     written = {uid: var for b in branches for uid, (var, _) in b.values.items()}
@@ -527,7 +591,8 @@ def while_loop(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
     carried: List[Any] = []
     while True:
         try:
-            return _carrying(wrapped, arguments, scope, parent, carried, token)
+            with _entering():
+                return _carrying(wrapped, arguments, scope, parent, carried, token)
         except Exception:
             request = getattr(_retry, "request", None)
             if request is None or request[0] is not token:

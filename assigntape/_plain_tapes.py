@@ -25,11 +25,10 @@ variable's own handle (which it would take for the value from before).
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
-from assigntape._tf import ControlFlowFuncGraph, forwardprop, gen_resource_variable_ops, nest, UnconnectedGradients
+from assigntape._tf import ControlFlowFuncGraph, array_ops, forwardprop, gen_resource_variable_ops, nest, UnconnectedGradients
 
 from assigntape import _control_flow, _leases, _versions
 from assigntape._errors import ControlFlowWriteError
@@ -47,9 +46,11 @@ _LATEST = "_assigntape_latest"
 # (the graph, the versions it held there, a Record that notes the writes
 # made while it is closed), while a recorder that held versions is closed.
 _HELD = "_assigntape_held"
+# The variables rebase_for_recorder read on a tape that does not watch
+# accessed variables (unique ids).
+_REBASED = "_assigntape_rebased"
 
 # The plain tapes open in this thread (weak references), innermost last.
-_tls = threading.local()
 
 
 def _is_plain(instance: Any) -> bool:
@@ -74,11 +75,7 @@ def _snapshot() -> Optional[Dict[str, Any]]:
     return snapshot
 
 
-def _open_plain() -> List[Any]:
-    found = getattr(_tls, "open", None)
-    if found is None:
-        found = _tls.open = []
-    return found
+_open_plain = _versions.open_plain
 
 
 def enter(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -92,7 +89,10 @@ def enter(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) ->
                 setattr(instance, _START, snapshot)
                 lease(instance)
         # Inside a compiled body, after the snapshot: see rebase_for_recorder.
-        _control_flow.rebase_for_recorder()
+        rebased = _control_flow.rebase_for_recorder(instance)
+        if rebased and not instance._watch_accessed_variables:
+            # Recorded for it, but it watches only what it is told to.
+            instance.__dict__[_REBASED] = set(rebased)
     return result
 
 
@@ -211,7 +211,7 @@ def refuse_recorders_outside_body(scope: Any, var: Any, op_name: str) -> None:
     out, as ``_control_flow`` does for an outer AssignAwareTape), and later
     reads outside, or the next iteration, would credit the variable's own
     handle. Refused by name rather than answered wrong."""
-    opened = getattr(_tls, "open", None)
+    opened = _open_plain()
     around = _graphs_around(scope.key) if opened else []
     for ref, opened_in in opened if around else ():
         instance = ref()
@@ -233,7 +233,7 @@ def note_closing() -> List[Any]:
     around the compiled body it is in: they recorded its writes, so the
     versions must live on for them (and a later write in the body, which
     they could not follow out of it, is refused: see above)."""
-    opened = getattr(_tls, "open", None)
+    opened = _open_plain()
     if not opened:
         return []
     snapshot = _snapshot()
@@ -295,6 +295,15 @@ def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any)
     sources = arguments["sources"]
     flat = nest.flatten(sources)
     mapped = [_map(s, start, False) for s in flat]
+    rebased = instance.__dict__.get(_REBASED)
+    if rebased:
+        # Their versions at its entry are watched for it; a variable it was
+        # never told to watch gets what TensorFlow gives: no gradient.
+        watched = {v._unique_id for v in map(_versions.gradient_variable, instance.watched_variables()) if v is not None}
+        for i, s in enumerate(flat):
+            var = _versions.gradient_variable(s)
+            if var is not None and var._unique_id in rebased and var._unique_id not in watched:
+                mapped[i] = array_ops.identity(mapped[i])  # a tensor nothing depends on
     arguments["sources"] = mapped
     if arguments.get("target") is not None:
         arguments["target"] = nest.map_structure(lambda t: _map(t, end, open_now), arguments["target"])

@@ -9,7 +9,7 @@ import tensorflow as tf
 from assigntape._tf import array_ops, gen_resource_variable_ops, nest, tensor_lib, UnconnectedGradients
 
 from assigntape import _diagnostics, _patches, _plain_tapes, _record, _versions
-from assigntape._errors import ControlFlowWriteError, NotAVariableError
+from assigntape._errors import NotAVariableError
 
 __all__ = ["AssignAwareTape"]
 
@@ -82,6 +82,7 @@ class AssignAwareTape(tf.GradientTape):
     # -- context ---------------------------------------------------------------
 
     def __enter__(self) -> "AssignAwareTape":
+        _patches.refuse_unfollowed_recorders()
         super().__enter__()  # raises, with nothing acquired, if already recording
         _patches.acquire()
         self._end_lease()
@@ -333,19 +334,10 @@ class AssignAwareTape(tf.GradientTape):
                 output_gradients,
                 UnconnectedGradients.NONE if zero else unconnected_gradients,
             )
-        except BaseException as e:
+        except BaseException:
             if done and self._tape is not None and self._scope is None:
                 self._start_lease()  # closed, and TensorFlow kept the record: it may be asked again
-            if not isinstance(e, ValueError) or "creates a resource in its body" not in str(e):
-                raise
-            # A gradient inside a loop body needed one of the handles the tape
-            # made there; TensorFlow cannot carry resources out of a loop body.
-            raise ControlFlowWriteError(
-                "The gradient through a graph loop that writes a tracked variable "
-                "needs a variable handle made inside the loop body, which "
-                "TensorFlow's loop gradient cannot use. Unroll the loop in Python "
-                "(for _ in range(n)), or write the variable outside the loop."
-            ) from e
+            raise
         if zero:
             flat_grads = [
                 self._zeros_for(raw, mapped) if g is None else g

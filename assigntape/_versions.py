@@ -819,6 +819,45 @@ def _current_branch() -> Optional[Branch]:
     return branches.get(ops.get_default_graph()) if branches else None
 
 
+def open_plain() -> List[Any]:
+    """The plain tapes and forward accumulators open in this thread, as
+    (weak reference, graph key it was opened in), innermost last (kept by
+    ``_plain_tapes``)."""
+    found = getattr(_tls, "plain", None)
+    if found is None:
+        found = _tls.plain = []
+    return found
+
+
+def recording_now() -> List[Any]:
+    """What records in this thread now: the scopes whose tapes (or holders)
+    record, and the plain tapes and forward accumulators recording."""
+    found: List[Any] = [s for s in getattr(_tls, "scopes", {}).values() if s.recording()]
+    for ref, _ in open_plain():
+        recorder = ref()
+        if recorder is not None and getattr(recorder, "_recording", False):
+            found.append(recorder)
+    return found
+
+
+def records(recorder: Any) -> bool:
+    """Whether a scope, a plain tape or an accumulator records now."""
+    if pywrap_tfe.TFE_Py_TapeSetIsStopped():
+        return False
+    return recorder.recording() if isinstance(recorder, Scope) else bool(getattr(recorder, "_recording", False))
+
+
+def outermost(scope: Scope) -> Scope:
+    """The scope of the tape whose graph holds the outermost cond or loop
+    around ``scope`` (``scope`` itself unless its tape was opened in another
+    tape's body): the tape whose gradient of that cond or loop is symbolic."""
+    around = branch_around(scope)
+    while around is not None:
+        scope = around.scope
+        around = branch_around(scope)
+    return scope
+
+
 def branch_around(scope: Scope) -> Optional[Branch]:
     """For a tape opened inside a cond branch or loop body of another tape's
     graph: that body (its writes must leave it as the outer tape's versions

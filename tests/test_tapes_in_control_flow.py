@@ -442,12 +442,9 @@ def test_a_cond_in_a_cond_writes_under_any_tapes(b1, b2):
 @pytest.mark.parametrize("b1", ["plain", "aware"])
 @pytest.mark.parametrize("kinds", [("cond", "loop"), ("loop", "cond"), ("loop", "loop")], ids="-around-".join)
 def test_nested_bodies_of_other_kinds_write_under_two_tapes(kinds, b1):
-    if kinds == ("loop", "loop") and b1 == "aware":
-        # The outer loop's gradient would need the handle the inner tape's
-        # version is in its body: TensorFlow's loop gradient cannot use it.
-        with pytest.raises(ControlFlowWriteError, match="Unroll the loop in Python"):
-            _nested_program(b1, "none", *kinds)
-        return
+    # A loop in a loop under an AssignAwareTape in the outer body was refused:
+    # the nested loop's handles were the inner tape's versions, made in the
+    # outer body, which TensorFlow's loop gradient cannot trace.
     np.testing.assert_allclose(_nested_program(b1, "none", *kinds), _nested_rewrite(), rtol=1e-12)
 
 
@@ -567,3 +564,180 @@ def test_a_write_under_the_outer_tapes_stop_recording_is_on_a_tape_in_the_body(w
     expected = [float(g) for g in q.gradient(y, [v0, w0, a])]
     expected.append(float(v0 * w1))  # T: d(v1 * w1)/da through v1 only
     np.testing.assert_allclose(_stopped_outer_write(where, INNER[inner]), expected, rtol=1e-12)
+
+
+RECORDERS = {
+    "plain": lambda x: tf.GradientTape(),
+    "aware": lambda x: AssignAwareTape(),
+    "accumulator": lambda x: tf.autodiff.ForwardAccumulator(x, tf.constant(1.0, tf.float64)),
+}
+
+
+def _nested_write(nested: str, v: Any, x: Any) -> None:
+    """v = 3 x, written in a cond branch or a loop body built here."""
+    if nested == "cond":
+        tf.cond(x > 0, lambda: v.assign(x * 3.0), lambda: v.assign(x))
+    else:
+        tf.while_loop(lambda i: i < 1, lambda i: [(v.assign(x * 3.0), i + 1)[1]], [0])
+
+
+def _assert_split_refused(body: Any, states: str) -> None:
+    """T (an AssignAwareTape) around a compiled cond whose branch is
+    ``body(T, v, x)``: refused while tracing, naming v and ``states``, and v
+    as it was."""
+    v, x = tf.Variable(1.0, dtype=tf.float64), tf.constant(2.0, tf.float64)
+
+    @tf.function
+    def program() -> Any:
+        with AssignAwareTape() as outer:
+            outer.watch(x)
+            y = tf.cond(x > 0, lambda: body(outer, v, x), lambda: x)
+        return outer.gradient(y, x)
+
+    with pytest.raises(ControlFlowWriteError, match=rf"'Variable:0'.*nested in another.*{states}"):
+        program()
+    assert v.numpy() == 1.0
+
+
+@pytest.mark.parametrize("recorder", sorted(RECORDERS))
+@pytest.mark.parametrize("nested", ["cond", "loop"])
+def test_a_nested_write_that_one_recorder_sees_and_the_outer_tape_does_not_is_refused(nested, recorder):
+    """A recorder R opened in a compiled body of T's; in R, a cond or loop
+    built under T.stop_recording() writes. R records that cond or loop, T
+    the body's: both see the write only through their symbolic gradients,
+    one graph, which cannot both follow it (R) and not (T). Was: R's
+    gradient lost, or T's leaked. Refused by name while tracing, nothing
+    written."""
+
+    def body(outer: Any, v: Any, x: Any) -> Any:
+        with RECORDERS[recorder](x):
+            with outer.stop_recording():
+                _nested_write(nested, v, x)
+            return v * x
+
+    _assert_split_refused(body, "records and the outermost tape is stopped")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("inner", sorted(INNER))
+@pytest.mark.parametrize("nested", ["cond", "loop"])
+def test_a_nested_write_under_the_inner_tapes_stop_recording_is_the_outer_tapes(nested, inner, compiled):
+    """A tape Q in T's body; a cond or loop built under Q.stop_recording()
+    writes v = 3 x; then y = v x. Q does not see the write (d/dx = v = 6), T
+    does (d/dx = 6 x = 12): T's gradient was 6 compiled (the write was cut for
+    the symbolic gradient because Q, not T, had stopped)."""
+    v, x = tf.Variable(1.0, dtype=tf.float64), tf.constant(2.0, tf.float64)
+
+    def program() -> Any:
+        v.assign(1.0)
+        with AssignAwareTape() as outer:
+            outer.watch(x)
+
+            def body() -> Any:
+                with INNER[inner]() as q:
+                    q.watch(x)
+                    with q.stop_recording():
+                        _nested_write(nested, v, x)
+                    y = v * x
+                return y, q.gradient(y, x)
+
+            y, g = tf.cond(x > 0, body, lambda: (x, x)) if compiled else body()
+        return tf.stack([g, outer.gradient(y, x)])
+
+    with tf.GradientTape(persistent=True) as rewrite:
+        rewrite.watch(x)
+        v1 = x * 3.0
+        y_outer, y_q = v1 * x, tf.stop_gradient(v1) * x
+    expected = [float(rewrite.gradient(y_q, x)), float(rewrite.gradient(y_outer, x))]
+    got = (tf.function(program) if compiled else program)().numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["once", "persistent"])
+@pytest.mark.parametrize("where", ["cond", "loop"])
+def test_an_aware_tape_in_a_body_that_writes_then_writes_in_a_nested_loop(where, persistent, compiled):
+    """T's body opens Q; Q's block writes v = v x, then a graph loop writes
+    v = v x twice: y = v = x**3 (v starts at 1). Q's and T's d y / d x are 3 x**2.
+    Was: ControlFlowWriteError, or TensorFlow's ValueError ("creates a resource
+    in its body") with a persistent T: the nested loop's handles were Q's
+    versions, made in T's body."""
+    v, x = tf.Variable(1.0, dtype=tf.float64), tf.constant(2.0, tf.float64)
+
+    def program() -> Any:
+        v.assign(1.0)
+        with AssignAwareTape(persistent=persistent) as outer:
+            outer.watch(x)
+
+            def body() -> Any:
+                with AssignAwareTape() as q:
+                    q.watch(x)
+                    v.assign(v * x)
+                    tf.while_loop(lambda i: i < 2, lambda i: [(v.assign(v * x), i + 1)[1]], [0])
+                    y = v * 1.0
+                return y, q.gradient(y, x)
+
+            if not compiled:
+                y, g = body()
+            elif where == "cond":
+                y, g = tf.cond(x > 0, body, lambda: (x, x))
+            else:
+                y, g = tf.while_loop(lambda i, a, b: i < 1, lambda i, a, b: (i + 1, *body()), (0, x, x))[1:]
+        return tf.stack([g, outer.gradient(y, x)])
+
+    with tf.GradientTape() as rewrite:
+        rewrite.watch(x)
+        y = x * x * x
+    expected = float(rewrite.gradient(y, x))
+    got = (tf.function(program) if compiled else program)().numpy()
+    np.testing.assert_allclose(got, [expected, expected], rtol=1e-12)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("watched", [True, False], ids=["watched", "unwatched"])
+def test_a_tape_that_watches_by_hand_in_a_body_after_a_write(watched, compiled):
+    """In T's body, v = v x, then a plain tape P(watch_accessed_variables=False)
+    that watches x, and v if ``watched``: y = v v x. d y / d v = 2 v x = 8 if
+    P watched v, else None (as TensorFlow gives); d y / d x = v v = 4. Was:
+    None for v, watched or not, compiled."""
+    v, x = tf.Variable(1.0, dtype=tf.float64), tf.constant(2.0, tf.float64)
+    missing = tf.constant(-1.0, tf.float64)
+
+    def program() -> Any:
+        v.assign(1.0)
+        with AssignAwareTape():
+
+            def body() -> Any:
+                v.assign(v * x)
+                with tf.GradientTape(watch_accessed_variables=False) as p:
+                    p.watch(x)
+                    if watched:
+                        p.watch(v)
+                    y = v * v * x
+                return y, tf.stack([missing if g is None else g for g in p.gradient(y, [v, x])])
+
+            _, grads = tf.cond(x > 0, body, lambda: (x, tf.stack([x, x]))) if compiled else body()
+        return grads
+
+    got = (tf.function(program) if compiled else program)().numpy()
+    np.testing.assert_allclose(got, [8.0 if watched else -1.0, 4.0], rtol=1e-12)
+
+
+@pytest.mark.parametrize("inner", sorted(INNER))
+def test_a_nested_write_under_a_stop_only_the_inner_tape_made_inside_the_branch_is_refused(inner):
+    """Q, opened in T's body, records a nested cond whose branch writes under
+    Q.stop_recording() while T records: Q would take T's answer (the write
+    followed) through the cond's symbolic gradient. Refused, nothing written."""
+
+    def body(outer: Any, v: Any, x: Any) -> Any:
+        with INNER[inner]() as q:
+
+            def branch() -> Any:
+                with q.stop_recording():
+                    v.assign(x * 3.0)
+                return tf.constant(0.0, tf.float64)
+
+            tf.cond(x > 0, branch, lambda: tf.constant(0.0, tf.float64))
+            return v * x
+
+    _assert_split_refused(body, "is stopped and the outermost tape records")
