@@ -3,7 +3,7 @@
 See ``AssignAwareTape``.
 """
 
-from assigntape import _autograph
+from assigntape import _autograph, _patches
 from assigntape._errors import (
     AssignTapeError,
     ControlFlowWriteError,
@@ -19,6 +19,9 @@ from assigntape._patches import uninstall
 __version__ = "0.1.0"
 
 _autograph.exclude()
+# Plain tapes are followed from import on, not only once the first
+# AssignAwareTape installs the rest (see _patches.follow_plain_tapes).
+_patches.follow_plain_tapes()
 
 __all__ = [
     "AssignAwareTape",

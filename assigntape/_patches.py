@@ -46,6 +46,7 @@ from assigntape._tf import (
     gen_state_ops,
     gen_training_ops,
     ops,
+    pywrap_tfe,
     resource_variable_ops,
     standard_ops,
     state_ops,
@@ -57,7 +58,7 @@ from assigntape._tf import (
 from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _leases, _plain_tapes, _rules, _versions, _writes
 from assigntape._wrapping import Wrapper
 
-__all__ = ["acquire", "release", "installed", "uninstall"]
+__all__ = ["acquire", "follow_plain_tapes", "installed", "refuse_unfollowed_recorders", "release", "uninstall"]
 
 _ABSENT = object()
 _installed = False
@@ -295,6 +296,19 @@ _ALWAYS_ON = (
 _attribute_wrappers: Dict[Tuple[int, str], Any] = {}
 
 
+def _put(owner: Any, name: str, function: Callable[..., Any]) -> None:
+    """Wraps ``owner.name`` with ``function`` (unless it is wrapped already)."""
+    original = vars(owner)[name]
+    wrapper = _attribute_wrappers.get((id(owner), name))
+    if wrapper is not None and original is wrapper:
+        return  # a follower, in place since import
+    if wrapper is None or wrapper.__wrapped__ is not original:
+        active = function if function in _ALWAYS_ON else _dormant(function)
+        wrapper = _attribute_wrappers[(id(owner), name)] = Wrapper(original, active)
+    _saved.append((owner, name, original))
+    setattr(owner, name, wrapper)
+
+
 def _install() -> None:
     if not _groups or not all(group.unchanged() for group in _groups):
         # First use, or someone else re-bound an op since: wrap what is there now.
@@ -303,15 +317,42 @@ def _install() -> None:
     _saved.append((base, "_handle", base.__dict__.get("_handle", _ABSENT)))
     setattr(base, "_handle", _versions.HandleDescriptor())
     for owner, name, function in _attribute_patches():
-        original = vars(owner)[name]
-        wrapper = _attribute_wrappers.get((id(owner), name))
-        if wrapper is None or wrapper.__wrapped__ is not original:
-            active = function if function in _ALWAYS_ON else _dormant(function)
-            wrapper = _attribute_wrappers[(id(owner), name)] = Wrapper(original, active)
-        _saved.append((owner, name, original))
-        setattr(owner, name, wrapper)
+        _put(owner, name, function)
     for group in _groups:
         group.put(group.wrappers)
+
+
+def follow_plain_tapes() -> None:
+    """Installs, at import, the patches that follow plain tapes and forward
+    accumulators (``_ALWAYS_ON``): a ``tf.GradientTape`` entered before the
+    process's first ``AssignAwareTape`` and open around it must be followed
+    like any other (it would otherwise give plain TensorFlow's answer, a
+    silently wrong gradient, on the first step only). They cost a plain tape
+    a few microseconds and nothing else."""
+    with _leases.lock:
+        if not _installed:
+            for owner, name, function in _attribute_patches():
+                if function in _ALWAYS_ON:
+                    _put(owner, name, function)
+
+
+def refuse_unfollowed_recorders() -> None:
+    """Before an ``AssignAwareTape`` is entered with the patches not installed
+    (after ``uninstall()``, or with assigntape imported inside a tape): a
+    gradient tape recording in this thread that no patch saw entered cannot
+    be followed. Refused, rather than its gradient silently wrong."""
+    if _installed or pywrap_tfe.TFE_Py_TapeSetIsEmpty():
+        return
+    if any(ref() is not None for ref, _ in _versions.open_plain()):
+        return  # some are followed: the others, if any, cannot be told apart
+    follow_plain_tapes()  # tapes entered from now on are followed
+    raise RuntimeError(
+        "A tf.GradientTape is recording in this thread that was entered while "
+        "assigntape's patches were not installed (after assigntape.uninstall(), or "
+        "before assigntape was imported): it cannot follow this AssignAwareTape's "
+        "writes, so its gradient would be silently wrong. Enter that tape after "
+        "importing assigntape and without calling uninstall() in between."
+    )
 
 
 def _uninstall() -> None:
@@ -369,7 +410,7 @@ def uninstall() -> None:
                 "gradients, or a tf.GradientTape that ran beside one. Let them go (del, "
                 "or leave their scope), then call uninstall() again."
             )
-        if _installed:
+        if _installed or _saved:  # everything, or the followers of plain tapes
             _uninstall()
             _installed = False
 

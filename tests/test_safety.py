@@ -330,3 +330,60 @@ def test_autograph_does_not_warn_about_the_dormant_patches(caplog):
         grad, _, _ = f()
     assert not [r for r in caplog.records if "wrapt" in r.getMessage()]
     np.testing.assert_allclose(grad.numpy(), [2.0, 4.0])
+
+
+_FIRST_STEP = """
+import json, sys
+import tensorflow as tf
+import assigntape
+w, lr = tf.Variable(1.0), tf.Variable(0.1)
+with tf.GradientTape() as outer:  # entered before any AssignAwareTape in the process
+    with assigntape.AssignAwareTape() as inner:
+        loss = (w * 3.0) ** 2
+        w.assign_sub(lr * inner.gradient(loss, w))
+    val = (w * 2.0) ** 2
+print(json.dumps([float(g) for g in outer.gradient(val, [lr, w])]))
+"""
+
+
+def test_a_plain_tape_entered_before_the_first_aware_tape_is_followed():
+    """The process's first AssignAwareTape, inside a plain tape entered just
+    before it: the plain tape's meta-gradients are the rewrite's. Was: None
+    for lr and a wrong d/dw (the plain tape was entered before any patch was
+    installed), on the first step only."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FIRST_STEP], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    w0, lr = tf.constant(1.0), tf.constant(0.1)
+    with tf.GradientTape() as rewrite:
+        rewrite.watch([w0, lr])
+        w1 = w0 - lr * (2.0 * 9.0 * w0)
+        val = (w1 * 2.0) ** 2
+    expected = [float(g) for g in rewrite.gradient(val, [lr, w0])]
+    np.testing.assert_allclose(json.loads(done.stdout.strip().splitlines()[-1]), expected, rtol=1e-6)
+
+
+def test_a_plain_tape_entered_after_uninstall_is_refused_not_ignored():
+    """After uninstall(), a plain tape entered before the next AssignAwareTape
+    was seen by no patch: the AssignAwareTape inside it is refused (nothing
+    installed, nothing written), rather than the plain tape's gradient
+    silently missing the writes."""
+    import assigntape
+
+    gc.collect()
+    assigntape.uninstall()
+    w = tf.Variable(1.0)
+    with tf.GradientTape():
+        with pytest.raises(RuntimeError, match="entered while assigntape's patches were not installed"):
+            with AssignAwareTape():
+                w.assign(2.0)
+        assert not _patches.installed()
+    assert w.numpy() == 1.0
+    with tf.GradientTape() as outer:  # entered with the followers in place again
+        with AssignAwareTape():
+            w.assign(w * 3.0)
+        y = w * 1.0
+    assert float(outer.gradient(y, w)) == 3.0
