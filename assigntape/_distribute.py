@@ -32,7 +32,20 @@ import tensorflow as tf
 
 from assigntape import _versions
 from assigntape._errors import UntrackedWriteError
-from assigntape._tf import ALL_REDUCE_MERGE_FN, V1_OPTIMIZER_FINISH, V1_OPTIMIZER_UPDATE, context, distribute_lib, distribute_values, indexed_slices, nest, ops, tensor_lib
+from assigntape._tf import (
+    ALL_REDUCE_MERGE_FN,
+    V1_OPTIMIZER_FINISH,
+    V1_OPTIMIZER_UPDATE,
+    array_ops,
+    context,
+    distribute_lib,
+    distribute_values,
+    indexed_slices,
+    math_ops,
+    nest,
+    ops,
+    tensor_lib,
+)
 from assigntape._wrapping import bind
 
 __all__ = ["aggregated_write", "cross_replica_reduce", "distributed_update", "non_slot_update"]
@@ -200,7 +213,7 @@ def cross_replica_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, 
     alone. A reduction to one device, or of ``IndexedSlices``, is refused.
     """
     replicas = _versions.replica_scopes() if _versions.open_elsewhere() else {}
-    if not replicas or _inside_all_reduce():
+    if not replicas:
         return wrapped(*args, **kwargs)
     batched = wrapped.__name__ == "batch_reduce_to"
     if batched:
@@ -211,7 +224,9 @@ def cross_replica_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, 
         arguments = bind(("reduce_op", "value", "destinations", "options"), args, kwargs)
         values, destinations = [arguments["value"]], [arguments["destinations"]]
     recorded = [_recorded_parts(value, replicas) for value in values]
-    if not any(recorded):
+    sparse = any(isinstance(part, indexed_slices.IndexedSlices) for parts in recorded for part in parts)
+    # ReplicaContext.all_reduce's own custom gradient covers dense values only.
+    if not any(recorded) or (not sparse and _inside_all_reduce()):
         return wrapped(*args, **kwargs)
     reduce_op = arguments["reduce_op"]
     if isinstance(reduce_op, str):
@@ -224,24 +239,23 @@ def cross_replica_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, 
         if not parts:
             linked.append(result)
             continue
-        if not isinstance(components, tuple) or len(components) != len(parts) or any(
-            isinstance(x, indexed_slices.IndexedSlices) for x in parts + list(components)
-        ):
+        if not isinstance(components, tuple) or len(components) != len(parts):
             raise UntrackedWriteError(
                 f"A cross-replica reduction ({wrapped.__name__}, in merge_call) toward "
                 f"{getattr(destination, 'name', destination)!r} of values an AssignAwareTape "
-                "open in the replicas recorded, to one device or of IndexedSlices (an "
-                "aggregated variable's write under CentralStorageStrategy, an optimizer "
-                "given sparse gradients): its result cannot be linked to each replica's tape, so anything "
-                "computed from it would lose its gradient path, a silently wrong gradient. "
-                "Reduce in replica context instead (tf.distribute.get_replica_context().all_reduce), "
-                "with dense values (an optimizer given sparse gradients from an embedding: "
-                "tf.convert_to_tensor(grad) first)."
+                "open in the replicas recorded, to one device (an aggregated variable's write "
+                "under CentralStorageStrategy): its result cannot be linked to each replica's "
+                "tape, so anything computed from it would lose its gradient path, a silently "
+                "wrong gradient. Reduce in replica context instead "
+                "(tf.distribute.get_replica_context().all_reduce)."
             )
         new = []
         for replica, (part, component) in enumerate(zip(parts, components)):
             with _versions.acting_for(replicas[replica], merging):
-                new.append(_all_reduced(part, component, reduce_op))
+                if isinstance(part, indexed_slices.IndexedSlices):
+                    new.append(_all_gathered(parts, replica, component, reduce_op))
+                else:
+                    new.append(_all_reduced(part, component, reduce_op))
         linked.append(distribute_values.Mirrored(tuple(new)))
     return linked if batched else linked[0]
 
@@ -284,6 +298,35 @@ def _all_reduced(part: Any, component: Any, reduce_op: Any) -> Any:
         return tf.identity(component), grad
 
     return reduced(part)
+
+
+def _all_gathered(parts: List[Any], replica: int, component: Any, reduce_op: Any) -> Any:
+    """The reduction of ``IndexedSlices`` (every replica's rows, one after
+    another, divided by their number for MEAN), built here on the device of
+    ``component`` (TensorFlow's result for ``replica``), recorded as a function of
+    that replica's rows: the gradient of its rows is its segment of the
+    same reduction of every replica's upstream gradient."""
+    # Python numbers where the shapes are known: the gradient function may run
+    # in another graph (the gradient of a cond around the step), where a
+    # tensor of this one would be an unfed placeholder.
+    sizes = [p.values.shape[0] if p.values.shape[0] is not None else array_ops.shape(p.values)[0] for p in parts]
+    start = sum(sizes[:replica]) if replica else 0
+    with ops.device(component.values.device):
+        rows = array_ops.concat([p.values for p in parts], 0)
+        indices = array_ops.concat([p.indices for p in parts], 0)
+        if reduce_op == tf.distribute.ReduceOp.MEAN:
+            rows = rows / math_ops.cast(len(parts), rows.dtype)
+
+    @tf.custom_gradient
+    def gathered(x: Any) -> Any:
+        def grad(upstream: Any) -> Any:
+            upstream = ops.convert_to_tensor(upstream)  # dense rows, to slice
+            total = distribute_lib.get_replica_context().all_reduce(reduce_op, upstream)
+            return total[start : start + sizes[replica]]
+
+        return array_ops.identity(rows), grad
+
+    return indexed_slices.IndexedSlices(gathered(parts[replica].values), indices, component.dense_shape)
 
 
 def _held_tensors(fn: Any, depth: int = 3) -> List[Any]:

@@ -126,27 +126,77 @@ def mirrored(strategy: Any, name: str, compiled: bool, made: Any = None) -> List
     return out
 
 
-def sparse_legacy(strategy: Any) -> Dict[str, Any]:
-    """A tf_keras legacy Adagrad step on an embedding's IndexedSlices gradient,
-    in replica context: what it raised, and the table's components after."""
+SPARSE_TABLE = [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
+SPARSE_IDS = [[0, 2], [2, 1]]  # one per replica: row 2 on both
+
+
+def sparse_optimizers(lr: Any) -> Dict[str, Callable[[], Any]]:
+    import keras
     import tf_keras
+
+    rate = lambda: lr * 1.0  # noqa: E731
+    return {
+        "SGD": lambda: keras.optimizers.SGD(learning_rate=rate, momentum=0.5),
+        "legacy_Adagrad": lambda: tf_keras.optimizers.legacy.Adagrad(learning_rate=rate),
+        "v1_Adam": lambda: tf.compat.v1.train.AdamOptimizer(rate),
+    }
+
+
+def _sparse_step(optimizer: Any, table: Any, ids: List[Any], scale: float) -> Any:
+    """A step on the embedding rows ``ids`` (sparse gradients), then a
+    validation loss: the outer tape and the loss."""
     from assigntape import AssignAwareTape
 
-    with strategy.scope():
-        table, lr = tf.Variable([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), tf.Variable(0.1)
-        optimizer = tf_keras.optimizers.legacy.Adagrad(lambda: lr * 1.0)
+    with AssignAwareTape() as outer:
+        with tf.GradientTape() as inner:
+            loss = sum(tf.reduce_sum(tf.gather(table, i) ** 3) for i in ids)
+        optimizer.apply_gradients([(inner.gradient(loss, table), table)])
+        val = scale * tf.reduce_sum(table ** 2)
+    return outer, val
+
+
+def sparse_steps(strategy: Any) -> Dict[str, Any]:
+    """Steps on an embedding table with sparse (IndexedSlices) gradients, two
+    in a row: one device with the replicas' objectives summed, and
+    MirroredStrategy in replica context, eager and compiled. Each step's
+    [d/d lr, d/d table] (summed over replicas)."""
+    out: Dict[str, Any] = {}
+    for name in sparse_optimizers(None):
+        table, lr = tf.Variable(SPARSE_TABLE), tf.Variable(0.01)
+        optimizer = sparse_optimizers(lr)[name]()
         _build(optimizer, [table])
+        single = []
+        for _ in range(STEPS):
+            outer, val = _sparse_step(optimizer, table, [tf.constant(i) for i in SPARSE_IDS], float(len(SPARSE_IDS)))
+            d_lr, d_table = outer.gradient(val, [lr, table])
+            single.append([float(d_lr), tf.convert_to_tensor(d_table).numpy().tolist()])
+        out[name] = {"single": single}
+        for mode in ("eager", "compiled"):
+            with strategy.scope():
+                table, lr = tf.Variable(SPARSE_TABLE), tf.Variable(0.01)
+                optimizer = sparse_optimizers(lr)[name]()
+                _build(optimizer, [table])
+            ids = strategy.experimental_distribute_values_from_function(
+                lambda ctx: tf.constant(SPARSE_IDS[ctx.replica_id_in_sync_group])
+            )
 
-    def step() -> Any:
-        with AssignAwareTape() as outer:
-            with tf.GradientTape() as inner:
-                loss = tf.reduce_sum(tf.gather(table, [0, 2]) ** 2)
-            optimizer.apply_gradients([(inner.gradient(loss, table), table)])
-            val = tf.reduce_sum(table)
-        return outer.gradient(val, lr)
+            def step(i: Any) -> Any:
+                outer, val = _sparse_step(optimizer, table, [i], 1.0)
+                return outer.gradient(val, [lr, table])
 
-    out = _outcome(lambda: strategy.run(step))
-    out["components"] = [c.numpy().tolist() for c in strategy.experimental_local_results(table)]
+            fn = tf.function(step) if mode == "compiled" else step
+
+            def run() -> List[Any]:
+                got = []
+                for _ in range(STEPS):
+                    d_lr, d_table = strategy.run(fn, args=(ids,))
+                    got.append([
+                        sum(float(g) for g in strategy.experimental_local_results(d_lr)),
+                        tf.add_n([tf.convert_to_tensor(g) for g in strategy.experimental_local_results(d_table)]).numpy().tolist(),
+                    ])
+                return got
+
+            out[name][mode] = _outcome(run)
     return out
 
 
@@ -170,7 +220,7 @@ def main() -> None:
             if "error" in out[name][mode] and "w" in made:
                 # What a refused step left in the components.
                 out[name][mode]["components"] = [c.numpy().tolist() for c in strategy.experimental_local_results(made["w"])]
-    out["legacy_sparse"] = sparse_legacy(strategy)
+    out["sparse"] = sparse_steps(strategy)
     print(json.dumps(out))
 
 
