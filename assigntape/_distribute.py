@@ -103,12 +103,20 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     # Refused (or cut) whenever a tape is open in a replica, whether it has
     # read the variable yet or not: one that reads it later would read the
     # updated value and credit the version from before the update.
+    if getattr(aggregation, "name", None) == "NONE" or isinstance(var, distribute_values.SyncOnReadVariable):
+        why = (
+            "made where no replica's tape can be matched to each component (in merge_call, "
+            "inside a tf.cond or loop built there, as a compiled dynamic LossScaleOptimizer "
+            "updates its loss scale), "
+        )
+    else:
+        why = "its value aggregated outside the replicas' tapes (merge_call), "
     message = (
         f"A cross-replica update of variable {var.name!r} (aggregation "
         f"{getattr(aggregation, 'name', aggregation)}), while an AssignAwareTape is open "
-        "in a replica: its value is aggregated outside the replicas' tapes (merge_call), "
+        f"in a replica: {why}"
         "so reads after it would credit the version from before, a silently wrong "
-        "gradient. Such updates come from writes in replica context to a "
+        "gradient. Aggregated updates come from writes in replica context to a "
         "MirroredVariable whose aggregation is not NONE. Inside the tape, write per "
         "replica instead: aggregation=NONE (each replica writes its own component) or "
         "synchronization=ON_READ, with assign / assign_sub, and all-reduce the values "
@@ -168,7 +176,7 @@ def _coefficients_per_replica(fn: Any) -> Any:
     ...) that the replica whose ``merge_call`` function is used, the first,
     computed on its own tape. Every replica's component would be updated with
     them, out of reach of the other replicas' tapes. With ``apply_state``
-    None, each ``_resource_apply_*`` computes them again
+    empty, each ``_resource_apply_*`` computes them again
     (``_fallback_apply_state``, which every tf_keras optimizer calls), in the
     update of each component: as its replica, on its replica's tapes, from
     the same values. Any other function is returned as it is.
@@ -193,7 +201,7 @@ def _coefficients_per_replica(fn: Any) -> Any:
     ):
         return fn
     cells = tuple(
-        types.CellType(None) if name == "apply_state" else cell
+        types.CellType({}) if name == "apply_state" else cell
         for name, cell in zip(code.co_freevars, fn.__closure__)
     )
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, cells)

@@ -334,7 +334,15 @@ _SET = _Set()
 
 
 def _recording_tapes(scope: Scope) -> List[Any]:
-    return [t for t in (r.recording_tape() for r in scope.records) if t is not None]
+    """TensorFlow's tape objects recording in ``scope``: its AssignAwareTapes'
+    and the plain tapes open in its thread and graph (a replica's, whose
+    cross-replica update runs as it: ``acting_for``)."""
+    tapes = [t for t in (r.recording_tape() for r in scope.records) if t is not None]
+    for ref, key in _plain_by_thread.get(scope.thread, ()):
+        tape = ref()
+        if tape is not None and key is scope.key and tape._recording and tape._tape not in tapes:
+            tapes.append(tape._tape)
+    return tapes
 
 
 def recorded_by(scope: Scope, tensors: Sequence[Any]) -> bool:
@@ -825,8 +833,17 @@ def open_plain() -> List[Any]:
     ``_plain_tapes``)."""
     found = getattr(_tls, "plain", None)
     if found is None:
-        found = _tls.plain = []
+        found = _tls.plain = _plain_by_thread[threading.get_ident()] = _PlainList()
     return found
+
+
+class _PlainList(list):
+    """A list that can be referenced weakly."""
+
+
+# The same lists by thread: a replica's, read from the main thread while it
+# waits in merge_call. (A thread's entry goes with its thread-local list.)
+_plain_by_thread: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
 
 def recording_now() -> List[Any]:

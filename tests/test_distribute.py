@@ -298,6 +298,15 @@ def test_keras_optimizer_steps_in_replica_context():
                 label = f"sparse {name} {mode} step {step}"
                 np.testing.assert_allclose(s_lr, d_lr, rtol=1e-5, err_msg=label)
                 np.testing.assert_allclose(s_table, d_table, rtol=1e-5, atol=1e-5, err_msg=label)
+    # Each replica its own sparse SGD step (no aggregation): d sum(t) / d lr =
+    # -sum(2 t[rows]) = -2 (1 + 2 + 5 + 6). Was: AttributeError inside tf_keras.
+    assert out.pop("sparse_unaggregated").get("result") == [-28.0, -28.0]
+    # A plain tape around each replica's AssignAwareTape follows the step too
+    # (it got None: the update ran as the replica on its AssignAwareTapes only).
+    for name, got in out.pop("plain_around").items():
+        for mode in ("eager", "compiled"):
+            assert "result" in got[mode], (name, mode, got[mode])
+            np.testing.assert_allclose(got[mode]["result"], out[name]["single"][0][0], rtol=1e-5, err_msg=f"{name} {mode}")
     legacy = [name for name in out if name.startswith(("legacy_", "v1_"))]
     assert len(legacy) == 12
     for name in ("SGD", "SGD_momentum", "Adam", "RMSprop", "SGD_on_read_none", "SGD_on_read_sum", "SGD_on_read_mean", *legacy):

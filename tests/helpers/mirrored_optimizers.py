@@ -200,6 +200,56 @@ def sparse_steps(strategy: Any) -> Dict[str, Any]:
     return out
 
 
+def plain_tape_around(strategy: Any, name: str, compiled: bool) -> List[float]:
+    """The meta-step of ``mirrored`` (one step) with a plain tf.GradientTape
+    open around the AssignAwareTape: the plain tape's d/d lr, summed over
+    replicas."""
+    from assigntape import AssignAwareTape
+
+    with strategy.scope():
+        w, lr = tf.Variable(W0), tf.Variable(0.1)
+        optimizer = optimizers(lr)[name]()
+        _build(optimizer, [w])
+    xs = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(TASKS[ctx.replica_id_in_sync_group])
+    )
+
+    def step(x: Any) -> Any:
+        with tf.GradientTape() as plain:
+            with AssignAwareTape():
+                with tf.GradientTape() as inner:
+                    loss = tf.reduce_sum((w * x) ** 2)
+                optimizer.apply_gradients([(inner.gradient(loss, w), w)])
+            val = tf.reduce_sum((w * x - 1.0) ** 2)
+        return plain.gradient(val, lr)
+
+    d_lr = strategy.run(tf.function(step) if compiled else step, args=(xs,))
+    return sum(float(g) for g in strategy.experimental_local_results(d_lr))
+
+
+def sparse_unaggregated(strategy: Any) -> List[float]:
+    """tf_keras legacy SGD on an embedding's sparse gradient with
+    ``experimental_aggregate_gradients=False`` (each replica its own step):
+    each replica's d/d lr of sum(table) after the step."""
+    import tf_keras
+    from assigntape import AssignAwareTape
+
+    with strategy.scope():
+        table, lr = tf.Variable(SPARSE_TABLE), tf.Variable(0.1)
+        optimizer = tf_keras.optimizers.legacy.SGD(lambda: lr * 1.0)
+        _build(optimizer, [table])
+
+    def step() -> Any:
+        with AssignAwareTape() as outer:
+            with tf.GradientTape() as inner:
+                loss = tf.reduce_sum(tf.gather(table, [0, 2]) ** 2)
+            optimizer.apply_gradients([(inner.gradient(loss, table), table)], experimental_aggregate_gradients=False)
+            val = tf.reduce_sum(table)
+        return outer.gradient(val, lr)
+
+    return [float(g) for g in strategy.experimental_local_results(strategy.run(step))]
+
+
 def _outcome(fn: Callable[[], Any]) -> Dict[str, Any]:
     try:
         return {"result": fn()}
@@ -221,6 +271,11 @@ def main() -> None:
                 # What a refused step left in the components.
                 out[name][mode]["components"] = [c.numpy().tolist() for c in strategy.experimental_local_results(made["w"])]
     out["sparse"] = sparse_steps(strategy)
+    out["sparse_unaggregated"] = _outcome(lambda: sparse_unaggregated(strategy))
+    out["plain_around"] = {
+        name: {mode: _outcome(lambda: plain_tape_around(strategy, name, mode == "compiled")) for mode in ("eager", "compiled")}
+        for name in ("SGD", "legacy_SGD", "v1_SGD")
+    }
     print(json.dumps(out))
 
 
