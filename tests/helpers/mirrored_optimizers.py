@@ -155,6 +155,19 @@ def _sparse_step(optimizer: Any, table: Any, ids: List[Any], scale: float) -> An
     return outer, val
 
 
+def _distributed(strategy: Any, w0: Any, lr0: float, made: Callable[[Any], Any], name: str, data: List[Any]) -> Any:
+    """Under ``strategy``: the variable, the learning rate, the optimizer
+    ``made(lr)[name]`` built for it, and one item of ``data`` per replica."""
+    with strategy.scope():
+        w, lr = tf.Variable(w0), tf.Variable(lr0)
+        optimizer = made(lr)[name]()
+        _build(optimizer, [w])
+    per_replica = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(data[ctx.replica_id_in_sync_group])
+    )
+    return w, lr, optimizer, per_replica
+
+
 def sparse_steps(strategy: Any) -> Dict[str, Any]:
     """Steps on an embedding table with sparse (IndexedSlices) gradients, two
     in a row: one device with the replicas' objectives summed, and
@@ -172,13 +185,7 @@ def sparse_steps(strategy: Any) -> Dict[str, Any]:
             single.append([float(d_lr), tf.convert_to_tensor(d_table).numpy().tolist()])
         out[name] = {"single": single}
         for mode in ("eager", "compiled"):
-            with strategy.scope():
-                table, lr = tf.Variable(SPARSE_TABLE), tf.Variable(0.01)
-                optimizer = sparse_optimizers(lr)[name]()
-                _build(optimizer, [table])
-            ids = strategy.experimental_distribute_values_from_function(
-                lambda ctx: tf.constant(SPARSE_IDS[ctx.replica_id_in_sync_group])
-            )
+            table, lr, optimizer, ids = _distributed(strategy, SPARSE_TABLE, 0.01, sparse_optimizers, name, SPARSE_IDS)
 
             def step(i: Any) -> Any:
                 outer, val = _sparse_step(optimizer, table, [i], 1.0)
@@ -206,13 +213,7 @@ def plain_tape_around(strategy: Any, name: str, compiled: bool) -> List[float]:
     replicas."""
     from assigntape import AssignAwareTape
 
-    with strategy.scope():
-        w, lr = tf.Variable(W0), tf.Variable(0.1)
-        optimizer = optimizers(lr)[name]()
-        _build(optimizer, [w])
-    xs = strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.constant(TASKS[ctx.replica_id_in_sync_group])
-    )
+    w, lr, optimizer, xs = _distributed(strategy, W0, 0.1, optimizers, name, TASKS)
 
     def step(x: Any) -> Any:
         with tf.GradientTape() as plain:
