@@ -51,7 +51,7 @@ from assigntape import _fused, _rules, _versions
 from assigntape._errors import ControlFlowWriteError
 from assigntape._wrapping import bind, params_of
 
-__all__ = ["branch_write", "cond", "build_cond", "while_loop"]
+__all__ = ["branch_write", "cond", "build_cond", "while_loop", "write_around"]
 
 _BRANCH_VERSION_GRAD = "AssigntapeBranchVersion"
 
@@ -498,6 +498,19 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
     return out
 
 
+def write_around(scope: Any, around: Any, variables: List[Any], write: Callable[[], Any], what: str) -> Any:
+    """A write by a tape (``scope``) opened inside another tape's cond branch
+    or loop body (``around``): ``write()`` makes it that body's (so that it
+    leaves the body for the outer tape), and each of ``variables`` then gets
+    the body's new handle as its version on this tape."""
+    olds = [scope.current.get(var._unique_id, around.version_of(var)) for var in variables]
+    result = write()
+    recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
+    for var, old in zip(variables, olds):
+        scope.advance(var, old, around.versions[var._unique_id], _versions.WriteRecord(what, recorded=recorded))
+    return result
+
+
 def _leave(scope: Any, parent: Any, var: Any, value: Any, what: str) -> None:
     """After a cond or loop, ``value`` (its output) is the variable's value in the
     graph around it: a new version there, or, inside a branch or loop body, that
@@ -507,13 +520,7 @@ def _leave(scope: Any, parent: Any, var: Any, value: Any, what: str) -> None:
         return
     around = _versions.branch_around(scope)
     if around is not None:
-        # The tape of ``scope`` was opened inside another tape's cond branch or
-        # loop body: the value is that body's too (so that it leaves the body
-        # for the outer tape), and this tape's version is the body's new handle.
-        uid = var._unique_id
-        old = scope.current.get(uid, around.version_of(var))
-        _branch_version(around, var, value, value)
-        scope.advance(var, old, around.versions[uid], _versions.WriteRecord(what))
+        write_around(scope, around, [var], lambda: _branch_version(around, var, value, value), what)
         return
     old = scope.current_version(var)
     new = _versions.new_version(old, value)

@@ -56,14 +56,10 @@ def tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Cal
         if branch is not None:
             return _control_flow.branch_write(op_name, rule, wrapped, arguments, branch, var)
         if around is not None:
-            # A tape opened inside another tape's cond branch or loop body: the
-            # write is that body's (so that it leaves the body for the outer
-            # tape), and this tape's version is the body's new handle.
-            old = scope.current.get(var._unique_id, around.version_of(var))
-            result = _control_flow.branch_write(op_name, rule, wrapped, arguments, around, var)
-            recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
-            scope.advance(var, old, around.versions[var._unique_id], _versions.WriteRecord(op_name, recorded=recorded))
-            return result
+            # A tape opened inside another tape's cond branch or loop body.
+            return _control_flow.write_around(
+                scope, around, [var], lambda: _control_flow.branch_write(op_name, rule, wrapped, arguments, around, var), op_name
+            )
         old = scope.current_version(var)
         write = rule.prepare(var, old, arguments)
         old_shape = None if var.shape.is_fully_defined() else _versions.dynamic_shape(old)
@@ -146,18 +142,13 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
         if branch is not None:
             return _control_flow.fused_branch_write(op_name, kernel, wrapped, arguments, branch, tracked, checks)
         if around is not None:
-            # A tape opened inside another tape's cond branch or loop body: as
-            # for one variable above, the body's writes, and this tape's versions.
-            olds = {uid: scope.current.get(uid, around.version_of(var)) for uid, var in
-                    ((var._unique_id, var) for var in tracked.values())}
-            result = _control_flow.fused_branch_write(op_name, kernel, wrapped, arguments, around, tracked, checks)
-            recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
-            for name in _fused.written(kernel, arguments):
-                var = tracked.get(name)
-                if var is not None:
-                    uid = var._unique_id
-                    scope.advance(var, olds[uid], around.versions[uid], _versions.WriteRecord(op_name, recorded=recorded))
-            return result
+            # A tape opened inside another tape's cond branch or loop body.
+            written = [tracked[name] for name in _fused.written(kernel, arguments) if name in tracked]
+            return _control_flow.write_around(
+                scope, around, written,
+                lambda: _control_flow.fused_branch_write(op_name, kernel, wrapped, arguments, around, tracked, checks),
+                op_name,
+            )
         # The previous versions: a tracked variable's current one (whichever of
         # its handles the op was given, it writes the same resource), else the
         # handle given (a variable the tape does not know: no version for it).
