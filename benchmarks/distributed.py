@@ -14,7 +14,9 @@ paired and interleaved as the drop-in figures are (``benchmarks.paired``):
   (``aggregation=NONE`` variables), which needs no cross-replica update.
 
 Both reset the weights first, compiled (``tf.function`` around
-``strategy.run``) and eagerly. Target: within 5%. Saves
+``strategy.run``) and eagerly. Target: within 5%. For reference, the same
+pair under a plain ``tf.GradientTape`` (no gradient through the writes, no
+assigntape): what Keras's step costs over the hand-written one by itself. Saves
 ``benchmarks/results/<date>-distributed.json``.
 """
 
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import sys
 from typing import Any, Callable, Dict
@@ -33,12 +34,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 TARGET = 1.05
 
 
-def _steps(strategy: Any, compiled: bool) -> Dict[str, Callable[[], Any]]:
+def _steps(strategy: Any, compiled: bool, plain: bool = False) -> Dict[str, Callable[[], Any]]:
+    """The two sides; with ``plain``, both under a plain ``tf.GradientTape``
+    (no gradient through the writes): what the Keras step costs over the
+    hand-written one without assigntape."""
     import keras
     import tensorflow as tf
 
     from assigntape import AssignAwareTape
     from benchmarks.workloads import data, forward, net
+
+    tape = tf.GradientTape if plain else AssignAwareTape
 
     with strategy.scope():
         params = net()
@@ -54,7 +60,7 @@ def _steps(strategy: Any, compiled: bool) -> Dict[str, Callable[[], Any]]:
 
     def replica_step(keras_optimizer: bool) -> Any:
         def step(xb: Any, yb: Any) -> Any:
-            with AssignAwareTape() as outer:
+            with tape() as outer:
                 with tf.GradientTape() as inner:
                     inner_loss = tf.reduce_mean((forward(params, xb) - yb) ** 2)
                 grads = inner.gradient(inner_loss, params)
@@ -120,11 +126,22 @@ def main() -> None:
         verdict = paired.verdict(lo, hi, TARGET)
         print(f"Keras SGD step vs per-replica step by hand [{mode}]: {median:.3f} [{lo:.3f}, {hi:.3f}] "
               f"(target <= {TARGET}): {verdict}")
+        # The same pair under a plain tf.GradientTape: Keras's own cost.
+        plain = _steps(strategy, mode == "compiled", plain=True)
+        for _ in range(3):
+            plain["assigntape"](), plain["baseline"]()
+        ref = paired.measure(
+            paired.loop_side(plain["assigntape"]), paired.loop_side(plain["baseline"]),
+            rounds=args.rounds, target_s=args.side_ms / 1e3, chunk_s=0.01, before_round=gc.collect,
+        )
+        figures[f"{mode}_plain_tape"] = ref
+        print(f"  the same pair under a plain tf.GradientTape (no assigntape) [{mode}]: "
+              f"{ref['median']:.3f} [{ref['lo']:.3f}, {ref['hi']:.3f}]")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%S")
     summary = {
         "date": stamp, "machine": _machine(), "git": _git(), "tensorflow": tf.__version__,
         "load_avg": os.getloadavg(),
-        "figures": {m: {k: f[k] for k in ("median", "lo", "hi", "target")} for m, f in figures.items()},
+        "figures": {m: {k: f.get(k) for k in ("median", "lo", "hi", "target")} for m, f in figures.items()},
     }
     (RESULTS / f"{stamp}-distributed.json").write_text(_dumps(summary))
 
