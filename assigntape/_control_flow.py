@@ -306,29 +306,26 @@ def fused_branch_write(
 
 def _stopped_for_symbolic(branch: Any, var: Any, op_name: str) -> bool:
     """Whether a write in ``branch`` has no gradient path in the cond's or
-    loop's own (symbolic) gradient: whether the tape whose graph holds the
-    outermost cond or loop around it is stopped now.
+    loop's own (symbolic) gradient.
 
-    Every recorder that recorded a cond or loop around the write sees it
-    through that one symbolic gradient; one that records now while that tape
-    is stopped (or the other way round) would get the other's answer, a
-    silently wrong gradient: refused. (A recorder opened in the write's own
-    body sees it directly, recorded with the write: not refused.)"""
-    stopped = not _versions.records(_versions.outermost(branch.scope))
-    for entered in _entered_stack():
-        for recorder in entered:
-            if _versions.records(recorder) == stopped:
-                states = ("records", "is stopped") if stopped else ("is stopped", "records")
-                raise ControlFlowWriteError(
-                    f"{op_name} to variable {var.name!r} in a compiled tf.cond branch or loop "
-                    f"body nested in another, while a tape that recorded an enclosing cond or "
-                    f"loop {states[0]} and the outermost tape {states[1]}: both see the write only "
-                    "through the enclosing cond's or loop's own gradient, which cannot differ "
-                    "between them, so one would get a silently wrong gradient. Stop (or "
-                    "resume) recording around the whole enclosing cond or loop, or move the "
-                    "write out of the nested one."
-                )
-    return stopped
+    The recorders (tapes of ours, plain tapes, accumulators) that recorded a
+    cond or loop around the write see it only through that one symbolic
+    gradient: it follows the write if they record now, and not if they are
+    stopped. If some record and others are stopped, one of them would get
+    the other's answer, a silently wrong gradient: refused. (A recorder
+    opened in the write's own body sees it directly, recorded with the write;
+    one that recorded no enclosing cond or loop does not see it at all.)"""
+    states = {_versions.records(r) for entered in _entered_stack() for r in entered}
+    if len(states) > 1:
+        raise ControlFlowWriteError(
+            f"{op_name} to variable {var.name!r} in a compiled tf.cond branch or loop body, "
+            "while of the tapes that recorded an enclosing cond or loop some record and some "
+            "are stopped (stop_recording): they all see the write only through the enclosing "
+            "cond's or loop's own gradient, which cannot differ between them, so one would "
+            "get a silently wrong gradient. Stop (or resume) recording around the whole "
+            "enclosing cond or loop, or move the write out of the nested one."
+        )
+    return states == {False}
 
 
 def _entered_stack() -> List[List[Any]]:

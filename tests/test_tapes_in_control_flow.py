@@ -581,10 +581,9 @@ def _nested_write(nested: str, v: Any, x: Any) -> None:
         tf.while_loop(lambda i: i < 1, lambda i: [(v.assign(x * 3.0), i + 1)[1]], [0])
 
 
-def _assert_split_refused(body: Any, states: str) -> None:
+def _assert_split_refused(body: Any) -> None:
     """T (an AssignAwareTape) around a compiled cond whose branch is
-    ``body(T, v, x)``: refused while tracing, naming v and ``states``, and v
-    as it was."""
+    ``body(T, v, x)``: refused while tracing, naming v, and v as it was."""
     v, x = tf.Variable(1.0, dtype=tf.float64), tf.constant(2.0, tf.float64)
 
     @tf.function
@@ -594,7 +593,7 @@ def _assert_split_refused(body: Any, states: str) -> None:
             y = tf.cond(x > 0, lambda: body(outer, v, x), lambda: x)
         return outer.gradient(y, x)
 
-    with pytest.raises(ControlFlowWriteError, match=rf"'Variable:0'.*nested in another.*{states}"):
+    with pytest.raises(ControlFlowWriteError, match=r"'Variable:0'.*some record and some are stopped"):
         program()
     assert v.numpy() == 1.0
 
@@ -615,7 +614,7 @@ def test_a_nested_write_that_one_recorder_sees_and_the_outer_tape_does_not_is_re
                 _nested_write(nested, v, x)
             return v * x
 
-    _assert_split_refused(body, "records and the outermost tape is stopped")
+    _assert_split_refused(body)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -740,4 +739,88 @@ def test_a_nested_write_under_a_stop_only_the_inner_tape_made_inside_the_branch_
             tf.cond(x > 0, branch, lambda: tf.constant(0.0, tf.float64))
             return v * x
 
-    _assert_split_refused(body, "is stopped and the outermost tape records")
+    _assert_split_refused(body)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("nested", ["cond", "loop"])
+@pytest.mark.parametrize("recorder", sorted(RECORDERS))
+def test_a_cond_built_under_the_outer_tapes_stop_is_followed_by_a_recorder_inside(recorder, nested, compiled):
+    """T open, a recorder Q entered in it, and under T.stop_recording() a
+    cond or loop writes v = v x (v = 1, x = 2); then z = v x**2. Q recorded the
+    cond and records: d z / d x = 3 x**2 = 12 (a jvp for an accumulator); T
+    did not: 2 v x = 8. Was: refused compiled (T, not Q, decided for the
+    cond's own gradient). (An accumulator around the loop, compiled, fails in
+    TensorFlow: README, Known limits.)"""
+    if (recorder, nested, compiled) == ("accumulator", "loop", True):
+        with pytest.raises(ValueError, match="variable without handle data"):
+            _stopped_loop_under_accumulator()
+        return
+    v, x = tf.Variable(1.0, dtype=tf.float64), tf.constant(2.0, tf.float64)
+
+    def program() -> Any:
+        v.assign(1.0)
+        with AssignAwareTape() as outer:
+            outer.watch(x)
+            with RECORDERS[recorder](x) as q:
+                if not isinstance(q, tf.autodiff.ForwardAccumulator):
+                    q.watch(x)
+                with outer.stop_recording():
+                    if not compiled:
+                        v.assign(v * x)
+                    elif nested == "cond":
+                        tf.cond(x > 0, lambda: v.assign(v * x), lambda: v.assign(v))
+                    else:
+                        tf.while_loop(lambda i: i < 1, lambda i: [(v.assign(v * x), i + 1)[1]], [0])
+                z = v * x * x
+            inner = q.jvp(z) if isinstance(q, tf.autodiff.ForwardAccumulator) else q.gradient(z, x)
+        return tf.stack([outer.gradient(z, x), inner])
+
+    got = (tf.function(program) if compiled else program)().numpy()
+    np.testing.assert_allclose(got, [8.0, 12.0], rtol=1e-12)
+
+
+def _stopped_loop_under_accumulator() -> Any:
+    v, x = tf.Variable(1.0, dtype=tf.float64), tf.constant(2.0, tf.float64)
+
+    @tf.function
+    def program() -> Any:
+        with AssignAwareTape() as outer:
+            with tf.autodiff.ForwardAccumulator(x, tf.constant(1.0, tf.float64)) as acc:
+                with outer.stop_recording():
+                    tf.while_loop(lambda i: i < 1, lambda i: [(v.assign(v * x), i + 1)[1]], [0])
+                z = v * x * x
+        return acc.jvp(z)
+
+    return program()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_body_under_the_outer_tapes_stop_with_a_recorder_in_it_and_a_nested_write(compiled):
+    """T.stop_recording() around a whole cond; in its branch a plain tape R,
+    and a nested cond that writes v = v x; y = v x. R: d y / d x = 2 v0 x = 4;
+    T did not record the cond: d (y x) / d x = y = 4. Was: refused compiled."""
+    v, x = tf.Variable(1.0, dtype=tf.float64), tf.constant(2.0, tf.float64)
+
+    def program() -> Any:
+        v.assign(1.0)
+        with AssignAwareTape() as outer:
+            outer.watch(x)
+
+            def body() -> Any:
+                with tf.GradientTape() as r:
+                    r.watch(x)
+                    if compiled:
+                        tf.cond(x > 0, lambda: v.assign(v * x), lambda: v.assign(v))
+                    else:
+                        v.assign(v * x)
+                    y = v * x
+                return y, r.gradient(y, x)
+
+            with outer.stop_recording():
+                y, g = tf.cond(x > 0, body, lambda: (x, x)) if compiled else body()
+            z = y * x
+        return tf.stack([g, outer.gradient(z, x)])
+
+    got = (tf.function(program) if compiled else program)().numpy()
+    np.testing.assert_allclose(got, [4.0, 4.0], rtol=1e-12)
