@@ -847,9 +847,9 @@ _plain_by_thread: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDic
 
 
 def recording_now() -> List[Any]:
-    """What records in this thread now: the scopes whose tapes (or holders)
-    record, and the plain tapes and forward accumulators recording."""
-    found: List[Any] = [s for s in getattr(_tls, "scopes", {}).values() if s.recording()]
+    """What records in this thread now: the records of our tapes recording,
+    and the plain tapes and forward accumulators recording."""
+    found: List[Any] = [r for s in getattr(_tls, "scopes", {}).values() for r in s.records if r.recording()]
     for ref, _ in open_plain():
         recorder = ref()
         if recorder is not None and getattr(recorder, "_recording", False):
@@ -858,10 +858,11 @@ def recording_now() -> List[Any]:
 
 
 def records(recorder: Any) -> bool:
-    """Whether a scope, a plain tape or an accumulator records now."""
+    """Whether one of our tapes (its record), a plain tape or an accumulator
+    records now."""
     if pywrap_tfe.TFE_Py_TapeSetIsStopped():
         return False
-    return recorder.recording() if isinstance(recorder, Scope) else bool(getattr(recorder, "_recording", False))
+    return recorder.recording() if isinstance(recorder, Record) else bool(getattr(recorder, "_recording", False))
 
 
 def outermost(scope: Scope) -> Scope:

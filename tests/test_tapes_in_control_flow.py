@@ -824,3 +824,36 @@ def test_a_body_under_the_outer_tapes_stop_with_a_recorder_in_it_and_a_nested_wr
 
     got = (tf.function(program) if compiled else program)().numpy()
     np.testing.assert_allclose(got, [4.0, 4.0], rtol=1e-12)
+
+
+@pytest.mark.parametrize("stopped", ["outer", "inner"])
+@pytest.mark.parametrize("nested", ["cond", "loop"])
+def test_two_aware_tapes_at_the_top_and_one_stopped_inside_a_branch_is_refused(nested, stopped):
+    """T and Q, both at the function's top level, record a cond or loop
+    whose body writes under one of them's stop_recording(): both see the
+    write only through its symbolic gradient. Was: both followed it (a
+    silently wrong gradient for the stopped one). Refused, nothing written."""
+    v, x = tf.Variable(1.0, dtype=tf.float64), tf.constant(2.0, tf.float64)
+
+    @tf.function
+    def program() -> Any:
+        with AssignAwareTape() as outer:
+            outer.watch(x)
+            with AssignAwareTape() as inner:
+                inner.watch(x)
+
+                def write() -> Any:
+                    with (outer if stopped == "outer" else inner).stop_recording():
+                        v.assign(v * x)
+                    return tf.constant(0.0, tf.float64)
+
+                if nested == "cond":
+                    tf.cond(x > 0, write, lambda: tf.constant(0.0, tf.float64))
+                else:
+                    tf.while_loop(lambda i: i < 1, lambda i: [(write(), i + 1)[1]], [0])
+                y = v * x
+        return outer.gradient(y, x), inner.gradient(y, x)
+
+    with pytest.raises(ControlFlowWriteError, match=r"'Variable:0'.*some record and some are stopped"):
+        program()
+    assert v.numpy() == 1.0
