@@ -421,3 +421,166 @@ def test_a_recorder_entered_again_after_a_write_has_no_path_to_the_variable_befo
     # The rewrite: y = stop_gradient(10) * u0: nothing reaches v0; dy/du0 = 10.
     expected = [np.nan, 10.0, 30.0] if recorder == "plain tape" else [np.nan, 30.0]
     np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+# -- a read under a tape's stop_recording() --------------------------------------
+#
+# A read is an identity op on the current version: under T.stop_recording() T
+# does not record it (as tf.GradientTape does not record a read of a variable
+# there), so T sees the value read as one it did not see. The rewrite reads
+# each variable with tf.identity at the same place, under the same stops. These
+# programs take an inner tape's gradient through such a read and ask the outer
+# tape for the second order (found by an adversarial review).
+
+
+class _Cell:
+    """A variable, or in the rewrite a tensor rebound by each write and read
+    through tf.identity where the program reads the variable."""
+
+    def __init__(self, value: float, rewrite: bool) -> None:
+        self.rewrite = rewrite
+        self.value = tf.constant(value, tf.float64) if rewrite else tf.Variable(value, dtype=tf.float64)
+
+    def read(self) -> Any:
+        return tf.identity(self.value) if self.rewrite else self.value
+
+    def assign(self, value: Any) -> None:
+        if self.rewrite:
+            self.value = value
+        else:
+            self.value.assign(value)
+
+
+def _second_order_through_a_stopped_write(v: _Cell, outer: Any, x: Any) -> Any:
+    rewrite = v.rewrite
+    with outer:
+        outer.watch(x)
+        v.assign(v.read() * 0.3 + x * 0.7)
+        with tf.GradientTape() as inner:
+            inner.watch(x)
+            with outer.stop_recording():
+                v.assign(v.read() + v.read() * x * -0.7)
+            y = v.read() * x
+        g = inner.gradient(y, x)
+    return [g, outer.gradient(g, x)]
+
+
+def _second_order_through_a_read_under_both_stops(v: _Cell, outer: Any, x: Any) -> Any:
+    rewrite = v.rewrite
+    with outer:
+        outer.watch(x)
+        with (tf.GradientTape() if rewrite else AssignAwareTape()) as inner:
+            inner.watch(x)
+            with inner.stop_recording():
+                v.assign(v.read() * -0.51 + x * 1.51)
+            with outer.stop_recording():
+                y = v.read() * x
+        g = inner.gradient(y, x)
+    return [g, outer.gradient(g, x)]
+
+
+def _three_tapes_middle_one_stopped(v: _Cell, outer: Any, x: Any) -> Any:
+    rewrite = v.rewrite
+    with outer:
+        outer.watch(x)
+        with tf.GradientTape() as middle:
+            middle.watch(x)
+            with (tf.GradientTape() if rewrite else AssignAwareTape()) as inner:
+                inner.watch(x)
+                v.assign(v.read() - (tf.sin(x) * -0.25 + v.read() * 0.25))
+                with middle.stop_recording():
+                    v.assign(v.read() + v.read() * x * 0.17)
+                y = v.read() * x
+            z = y + inner.gradient(y, x)
+        total = z + middle.gradient(z, x)
+    return [total, outer.gradient(total, x)]
+
+
+_STOPPED_READ_PROGRAMS = {
+    "second_order_through_a_stopped_write": _second_order_through_a_stopped_write,
+    "read_under_both_stops": _second_order_through_a_read_under_both_stops,
+    "three_tapes_middle_one_stopped": _three_tapes_middle_one_stopped,
+}
+
+
+def _none_as_nan(values: Any) -> Any:
+    return [np.nan if g is None else float(g) for g in values]
+
+
+@modes
+@pytest.mark.parametrize("name", sorted(_STOPPED_READ_PROGRAMS))
+def test_a_read_under_a_tapes_stop_is_not_seen_by_that_tape(mode, name):
+    program = _STOPPED_READ_PROGRAMS[name]
+    x = tf.constant(0.9, tf.float64)
+    cell = _Cell(0.7, rewrite=False)
+    got = _none_as_nan(run(mode, lambda: program(cell, AssignAwareTape(), x)))
+    expected = _none_as_nan(program(_Cell(0.7, rewrite=True), tf.GradientTape(), x))
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+    # The read's identity is what makes the difference: with the rewrite's reads
+    # seen by the outer tape these programs have a different second order.
+    assert not np.allclose(got, _none_as_nan(_seen_reads(program, x)), equal_nan=True)
+
+
+def _seen_reads(program: Any, x: Any) -> Any:
+    """The same rewrite with the outer tape seeing every value read."""
+    seen = _Cell.read
+    _Cell.read = lambda self: self.value  # type: ignore[method-assign]
+    try:
+        return program(_Cell(0.7, rewrite=True), tf.GradientTape(), x)
+    finally:
+        _Cell.read = seen  # type: ignore[method-assign]
+
+
+@modes
+def test_a_read_under_a_stop_with_no_write_is_as_tf_gradient_tape(mode):
+    """No write: the same answer as tf.GradientTape, a read of ``w`` under the
+    outer tape's stop gives it no path to ``w`` through the inner gradient."""
+
+    w = tf.Variable(0.6, dtype=tf.float64)
+    x = tf.constant(0.9, tf.float64)
+
+    def program(outer_cls: Any) -> Any:
+        with outer_cls() as outer:
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                with outer.stop_recording():
+                    y = w * w * x
+            g = inner.gradient(y, x)
+            h = g * w
+        return [g, *outer.gradient(h, [w, x])]
+
+    got = _none_as_nan(run(mode, lambda: program(AssignAwareTape)))
+    np.testing.assert_allclose(got, _none_as_nan(run(mode, lambda: program(tf.GradientTape))), rtol=1e-12)
+    np.testing.assert_allclose(got, [0.36, 0.36, np.nan], rtol=1e-12)
+
+
+def test_a_stop_inside_a_compiled_branch_hides_no_read():
+    """TensorFlow differentiates a compiled tf.cond by its branch graph, which
+    knows nothing of a stop_recording() inside it: the reads there are seen by
+    the tapes that recorded the cond, while a write there under the stop is cut
+    for them (Semantics, 4). The answer is the rewrite with every read seen and
+    the write under the stop."""
+    x = tf.constant(0.9, tf.float64)
+    v = tf.Variable(0.7, dtype=tf.float64)
+
+    @tf.function
+    def program() -> Any:
+        v.assign(0.7)
+        with AssignAwareTape() as outer:
+            outer.watch(x)
+
+            def branch() -> Any:
+                v.assign(v * 0.3 + x * 0.7)
+                with tf.GradientTape() as inner:
+                    inner.watch(x)
+                    with outer.stop_recording():
+                        v.assign_add(v * x * -0.7)
+                    y = v * x
+                return inner.gradient(y, x)
+
+            g = tf.cond(x > 0.0, branch, lambda: x)
+        return [g, outer.gradient(g, x)]
+
+    got = _none_as_nan(program())
+    expected = _none_as_nan(_seen_reads(_second_order_through_a_stopped_write, x))
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
