@@ -226,6 +226,12 @@ _GRADIENT_TAPE = backprop.GradientTape
 def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
     """The patches besides the op wrappers: (owner, attribute, wrapper function)."""
     return [
+        # Every variable's handle, noted as it is made, so that a write through
+        # a handle fetched before a tape opened names its variable (_versions).
+        # The two classes that make variables, not their base: every ``assign``
+        # makes an ``_UnreadVariable`` through the base's ``__init__``.
+        (resource_variable_ops.ResourceVariable, "__init__", _versions.constructed),
+        (resource_variable_ops.UninitializedVariable, "__init__", _versions.constructed),
         # Calls of traced functions from an eager tape (_functions).
         (ConcreteFunction, "_call_flat", _functions.call_function),
         # Reads of variables written through handles no tape could name (_versions).
@@ -269,7 +275,9 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function``, but the original straight away while no tape is open in
     any thread and none is closed but alive: the patches stay installed between
     tapes, and code outside every tape must run as plain TensorFlow."""
-    scopes, closed = _versions._all_scopes, _versions.closed_tapes
+    # The WeakSet's own set of references: its len() is Python code. A dead
+    # reference not yet removed only sends a call down the general path.
+    scopes, closed = _versions._all_scopes, _versions.closed_tapes.data
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         if not scopes and not closed:
@@ -279,9 +287,11 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-# Plain tapes are followed from their entry whether or not a tape of ours is
-# open then: one may open inside them (_plain_tapes).
+# Installed at import and never dormant: plain tapes are followed from their
+# entry whether or not a tape of ours is open then, since one may open inside
+# them (_plain_tapes); and every variable's handle is noted as it is made.
 _ALWAYS_ON = (
+    _versions.constructed,
     _plain_tapes.enter,
     _plain_tapes.exit,
     _plain_tapes.gradient,
@@ -291,6 +301,10 @@ _ALWAYS_ON = (
     _plain_tapes.accumulator_exit,
     _plain_tapes.accumulator_jvp,
 )
+
+# In place only while a tape's scope is open in some thread, as the ``_handle``
+# descriptor is: every variable read calls them (``_versions.serve_handles``).
+_WHILE_OPEN = (_versions.accessed,)
 
 # (id(owner), attribute) -> the Wrapper built for the original found there.
 _attribute_wrappers: Dict[Tuple[int, str], Any] = {}
@@ -303,21 +317,23 @@ def _put(owner: Any, name: str, function: Callable[..., Any]) -> None:
     if wrapper is not None and original is wrapper:
         return  # a follower, in place since import
     if wrapper is None or wrapper.__wrapped__ is not original:
-        active = function if function in _ALWAYS_ON else _dormant(function)
+        active = function if function in _ALWAYS_ON or function in _WHILE_OPEN else _dormant(function)
         wrapper = _attribute_wrappers[(id(owner), name)] = Wrapper(original, active)
     _saved.append((owner, name, original))
-    setattr(owner, name, wrapper)
+    if function in _WHILE_OPEN:
+        # Put in place (and taken off) by ``_versions`` with the ``_handle`` descriptor.
+        _versions.while_open.append((owner, name, original, wrapper))
+    else:
+        setattr(owner, name, wrapper)
 
 
 def _install() -> None:
     if not _groups or not all(group.unchanged() for group in _groups):
         # First use, or someone else re-bound an op since: wrap what is there now.
         _build_wrappers()
-    base = resource_variable_ops.BaseResourceVariable
-    _saved.append((base, "_handle", base.__dict__.get("_handle", _ABSENT)))
-    setattr(base, "_handle", _versions.HandleDescriptor())
     for owner, name, function in _attribute_patches():
         _put(owner, name, function)
+    _versions.serve_handles(True)
     for group in _groups:
         group.put(group.wrappers)
 
@@ -356,6 +372,7 @@ def refuse_unfollowed_recorders() -> None:
 
 
 def _uninstall() -> None:
+    _versions.serve_handles(False)
     for group in _groups:
         group.put(group.originals)
     while _saved:

@@ -10,9 +10,11 @@ to its current version lives here, never on the variable object, so that:
   kept for eager execution and one per ``FuncGraph`` in which a tape is open.
 
 ``HandleDescriptor`` is installed over ``BaseResourceVariable._handle`` while any
-tape is open. Python (``self._handle``, ``self.handle``) and TensorFlow's C++ fast
-path (``PyObject_GetAttrString(var, "_handle")``) both look the attribute up, so
-every read of every kind goes to the current version.
+tape is open (a scope exists, in any thread). Python (``self._handle``,
+``self.handle``) and TensorFlow's C++ fast path (``PyObject_GetAttrString(var,
+"_handle")``) both look the attribute up, so every read of every kind goes to
+the current version. While none is, the class has no ``_handle``: reads cost
+what they cost without assigntape, and ``constructed`` notes new handles.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ __all__ = [
     "WriteRecord",
     "Scope",
     "HandleDescriptor",
+    "constructed",
+    "serve_handles",
     "owner",
     "check_writable_here",
     "Branch",
@@ -180,10 +184,55 @@ def open_scope(tape_record: Record) -> Scope:
     if scope is None:
         scope = scopes[key] = Scope(key)
         _seed_from_around(scope)
-        with _all_lock:
-            _all_scopes.append(scope)
+        _list(scope)
     scope.records.append(tape_record)
     return scope
+
+
+def _list(scope: Scope) -> None:
+    with _all_lock:
+        _all_scopes.append(scope)
+        if len(_all_scopes) == 1:
+            _serve_versions(True)
+
+
+def _serve_versions(on: bool) -> None:
+    """Puts the descriptor over ``BaseResourceVariable._handle`` while some
+    scope is open in some thread, and takes it off when none is: code outside
+    every tape then reads ``_handle`` from the instance dict, in C, as if
+    nothing were installed. Called under ``_all_lock``."""
+    present = "_handle" in _BASE_VARIABLE.__dict__
+    if on and _serving and not present:
+        setattr(_BASE_VARIABLE, "_handle", _READING)
+        for owner, name, _, wrapper in while_open:
+            setattr(owner, name, wrapper)
+    elif not on and present and _BASE_VARIABLE.__dict__["_handle"] is _READING:
+        delattr(_BASE_VARIABLE, "_handle")
+        for owner, name, original, _ in while_open:
+            setattr(owner, name, original)
+
+
+def serve_handles(on: bool) -> None:
+    """``_patches`` installs (``on``) or uninstalls: the descriptor is served
+    from now on while a scope is open, or never."""
+    global _serving
+    with _all_lock:
+        if on:
+            _serving = True
+            _serve_versions(bool(_all_scopes))
+        else:
+            _serve_versions(False)
+            _serving = False
+            while_open.clear()
+
+
+_serving = False
+# (owner, attribute, original, wrapper) of the patches ``_patches`` puts in
+# place only while a scope is open, with the descriptor: every variable read
+# calls them, and outside every tape they have nothing to do.
+while_open: List[Tuple[Any, str, Any, Any]] = []
+
+
 
 
 def _seed_from_around(scope: Scope) -> None:
@@ -244,8 +293,7 @@ def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[i
     if key in _scopes() or not held:
         return
     scope = _scopes()[key] = Scope(key)
-    with _all_lock:
-        _all_scopes.append(scope)
+    _list(scope)
     scope.holders = [holder]
     for handle, var in held.values():
         if id(canonical_handle(var)) in written:
@@ -280,6 +328,8 @@ def _drop(scope: Scope) -> None:
     _scopes().pop(scope.key, None)
     with _all_lock:
         _all_scopes.remove(scope)
+        if not _all_scopes:
+            _serve_versions(False)
 
 
 def open_here() -> bool:
@@ -905,8 +955,34 @@ def check_writable_here(scope: Scope, var: Any, op_name: str) -> Any:
     )
 
 
+def note_handle(inst: Any, value: Any) -> None:
+    """A variable's handle was set: noted, so that a write through a handle
+    fetched before a tape opened can name its variable (``owner``)."""
+    if type(inst) is _UNREAD_VARIABLE and not _all_scopes:
+        # What ``assign`` returns, given its variable's own handle outside
+        # every tape: the variable names it already.
+        return
+    if isinstance(value, ops.EagerTensor):
+        known = _by_handle.get(id(value))
+        # An ``_UnreadVariable`` (what ``assign`` returns) is given its
+        # variable's handle: the variable stays its owner.
+        if known is None or known.__dict__.get("_handle") is not value:
+            _by_handle[id(value)] = inst
+
+
+def constructed(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
+    """``ResourceVariable.__init__`` and ``UninitializedVariable.__init__``,
+    which set ``_handle``: noted while no descriptor is there to see it (a
+    variable of another class, made outside every tape, is named only once
+    a tape has read it)."""
+    wrapped(*args, **kwargs)
+    handle = instance.__dict__.get("_handle")
+    if handle is not None:
+        note_handle(instance, handle)
+
+
 class HandleDescriptor:
-    """Data descriptor for ``BaseResourceVariable._handle``: the current version."""
+    """``BaseResourceVariable._handle`` while some scope is open: the current version."""
 
     def __get__(self, inst: Any, owner: Any = None) -> Any:
         # Every read asks this three times (TensorFlow fetches ``v.handle`` that
@@ -951,15 +1027,14 @@ class HandleDescriptor:
 
     def __set__(self, inst: Any, value: Any) -> None:
         inst.__dict__["_handle"] = value
-        if isinstance(value, ops.EagerTensor):
-            known = _by_handle.get(id(value))
-            # An ``_UnreadVariable`` (what ``assign`` returns) is given its
-            # variable's handle: the variable stays its owner.
-            if known is None or known.__dict__.get("_handle") is not value:
-                _by_handle[id(value)] = inst
+        note_handle(inst, value)
 
     def __delete__(self, inst: Any) -> None:
         del inst.__dict__["_handle"]
+
+
+_READING = HandleDescriptor()
+_UNREAD_VARIABLE = resource_variable_ops._UnreadVariable
 
 
 def canonical_handle(var: Any) -> Any:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gc
 import threading
+import types
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.eager import tape as eager_tape
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops as rvo
 
@@ -37,7 +39,11 @@ def test_the_write_ops_and_the_handle_are_among_the_patched_places():
 
 
 def _snapshot():
-    return {(cls, name): cls.__dict__.get(name, "<absent>") for cls, name in PATCHED}
+    # ``_handle`` is switched while tapes open and close (see below): its kind is compared.
+    return {
+        (cls, name): type(cls.__dict__.get(name)) if name == "_handle" and name in cls.__dict__ else cls.__dict__.get(name, "<absent>")
+        for cls, name in PATCHED
+    }
 
 
 def test_patches_stay_dormant_between_tapes_until_uninstall():
@@ -52,9 +58,12 @@ def test_patches_stay_dormant_between_tapes_until_uninstall():
         with AssignAwareTape():
             assert _snapshot() == during  # nesting does not patch twice
         assert _snapshot() == during  # the inner exit does not unpatch
-    assert _snapshot() == during  # installed once, left in place
+    between = _snapshot()
     with AssignAwareTape():
         assert _snapshot() == during  # the next tape finds them in place
+    # Installed once, left in place; only ``_handle`` is served differently.
+    handle = (rvo.BaseResourceVariable, "_handle")
+    assert {k: v for k, v in between.items() if k != handle} == {k: v for k, v in during.items() if k != handle}
     for key in before:
         assert during[key] is not before[key], key
     assigntape.uninstall()
@@ -63,6 +72,26 @@ def test_patches_stay_dormant_between_tapes_until_uninstall():
         assert after[key] is before[key], key  # the exact original objects
         # ...and unmarked: the AutoGraph marker is taken off again.
         assert not hasattr(after[key], "autograph_info__"), key
+
+
+def test_outside_every_tape_a_variable_read_runs_no_python():
+    """Between tapes the class has no ``_handle``: Python reads the instance
+    dict in C, as without assigntape. Inside a tape a descriptor answers versions."""
+    v = tf.Variable(1.0)
+    with AssignAwareTape():
+        inside = rvo.BaseResourceVariable.__dict__.get("_handle")
+        v.assign_add(1.0)
+    gc.collect()
+    assert hasattr(type(inside), "__get__") and hasattr(type(inside), "__set__")
+    assert "_handle" not in rvo.BaseResourceVariable.__dict__
+    # Nor does a read call anything of ours through tape.variable_accessed.
+    original = eager_tape.variable_accessed
+    assert isinstance(original, types.FunctionType) and original.__module__ == eager_tape.__name__
+    with AssignAwareTape():
+        assert eager_tape.variable_accessed is not original
+        assert eager_tape.variable_accessed.__wrapped__ is original
+    assert eager_tape.variable_accessed is original
+    assert v._handle is v.__dict__["_handle"] and float(v) == 2.0
 
 
 def test_uninstall_refuses_while_a_tape_needs_the_patches_and_removes_nothing():

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from assigntape import _patches
 from assigntape import AssignAwareTape, UntrackedWriteError, uninstall
 from helpers.rules import rules_removed
 from oracle import modes, run
@@ -199,6 +200,24 @@ def test_reading_a_variable_written_through_a_handle_no_tape_can_name_is_refused
 
     with pytest.raises(UntrackedWriteError, match="made_before.*could name"):
         run(mode, program)
+
+
+@modes
+def test_a_variable_made_after_import_before_any_tape_is_known_by_its_handle(mode):
+    uninstall()
+    _patches.follow_plain_tapes()  # what importing assigntape installs
+    assert not _patches.installed()
+    x, c = tf.Variable(2.0), tf.Variable(1.5)
+    handle = c.handle
+
+    def program():
+        with AssignAwareTape() as tape:
+            tf.raw_ops.AssignVariableOp(resource=handle, value=x * 3.0)
+            y = c * c
+        return tape.gradient(y, [x, c])
+
+    gx, gc = run(mode, program)  # y = (3x)^2: dy/dx = 18 x; c overwritten
+    assert float(gx) == 36.0 and gc is None
 
 
 def test_a_variable_written_through_a_handle_no_tape_can_name_and_never_read_is_plain_tensorflow():
