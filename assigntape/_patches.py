@@ -302,9 +302,9 @@ _ALWAYS_ON = (
     _plain_tapes.accumulator_jvp,
 )
 
-# In place only while a tape's scope is open in some thread, as the ``_handle``
-# descriptor is: every variable read calls them (``_versions.serve_handles``).
-_WHILE_OPEN = (_versions.accessed,)
+# In place only while a tape has seen a write through a handle no tape could
+# name: every variable read calls them (``_versions.read_checks``).
+_READ_CHECKS = (_versions.accessed,)
 
 # (id(owner), attribute) -> the Wrapper built for the original found there.
 _attribute_wrappers: Dict[Tuple[int, str], Any] = {}
@@ -317,12 +317,12 @@ def _put(owner: Any, name: str, function: Callable[..., Any]) -> None:
     if wrapper is not None and original is wrapper:
         return  # a follower, in place since import
     if wrapper is None or wrapper.__wrapped__ is not original:
-        active = function if function in _ALWAYS_ON or function in _WHILE_OPEN else _dormant(function)
+        active = function if function in _ALWAYS_ON or function in _READ_CHECKS else _dormant(function)
         wrapper = _attribute_wrappers[(id(owner), name)] = Wrapper(original, active)
     _saved.append((owner, name, original))
-    if function in _WHILE_OPEN:
-        # Put in place (and taken off) by ``_versions`` with the ``_handle`` descriptor.
-        _versions.while_open.append((owner, name, original, wrapper))
+    if function in _READ_CHECKS:
+        # Put in place (and taken off) by ``_versions``, when there is something to check.
+        _versions.read_checks.append((owner, name, original, wrapper))
     else:
         setattr(owner, name, wrapper)
 

@@ -204,12 +204,17 @@ def _serve_versions(on: bool) -> None:
     present = "_handle" in _BASE_VARIABLE.__dict__
     if on and _serving and not present:
         setattr(_BASE_VARIABLE, "_handle", _READING)
-        for owner, name, _, wrapper in while_open:
-            setattr(owner, name, wrapper)
     elif not on and present and _BASE_VARIABLE.__dict__["_handle"] is _READING:
         delattr(_BASE_VARIABLE, "_handle")
-        for owner, name, original, _ in while_open:
-            setattr(owner, name, original)
+
+
+def _check_reads(on: bool) -> None:
+    """Puts the ``read_checks`` in place while some scope has a write through
+    a handle no tape could name (``_with_unnamed``), and takes them off when
+    none has. Called under ``_all_lock``."""
+    if _serving:
+        for owner, name, original, wrapper in read_checks:
+            setattr(owner, name, wrapper if on else original)
 
 
 def serve_handles(on: bool) -> None:
@@ -222,15 +227,16 @@ def serve_handles(on: bool) -> None:
             _serve_versions(bool(_all_scopes))
         else:
             _serve_versions(False)
+            _check_reads(False)
             _serving = False
-            while_open.clear()
+            read_checks.clear()
 
 
 _serving = False
 # (owner, attribute, original, wrapper) of the patches ``_patches`` puts in
-# place only while a scope is open, with the descriptor: every variable read
-# calls them, and outside every tape they have nothing to do.
-while_open: List[Tuple[Any, str, Any, Any]] = []
+# place only while ``_with_unnamed`` is not empty (``accessed``): every
+# variable read calls them, and until then they have nothing to do.
+read_checks: List[Tuple[Any, str, Any, Any]] = []
 
 
 
@@ -323,7 +329,11 @@ def _drop(scope: Scope) -> None:
     scope.canonical.clear()
     scope.dirty.clear()
     scope.unnamed.clear()
-    _with_unnamed.discard(id(scope))
+    if _with_unnamed:
+        with _all_lock:
+            _with_unnamed.discard(id(scope))
+            if not _with_unnamed:
+                _check_reads(False)
     scope.holders = []
     _scopes().pop(scope.key, None)
     with _all_lock:
@@ -714,11 +724,14 @@ def unknown_variable_write(tensor: Any, op_name: str) -> None:
         if not gen_resource_variable_ops.var_is_initialized_op(tensor):
             return
     scope.unnamed[id(tensor)] = (tensor, op_name)
-    _with_unnamed.add(id(scope))
+    with _all_lock:
+        if not _with_unnamed:
+            _check_reads(True)
+        _with_unnamed.add(id(scope))
 
 
-# id() of every scope with a write noted by ``unknown_variable_write``: every
-# read asks ``accessed``, which has nothing to check while this is empty.
+# id() of every scope with a write noted by ``unknown_variable_write``: while
+# it is not empty every read asks ``accessed`` (``read_checks``).
 _with_unnamed: Set[int] = set()
 
 
@@ -1008,6 +1021,7 @@ class HandleDescriptor:
                         written = branch.version_of_uid(uid)
                         if written is not None:
                             handle = written
+                            uid = None  # noted below, as each branch version is new
             if scope is not None:
                 if handle is None:
                     handle = d.get("_handle")
@@ -1017,8 +1031,11 @@ class HandleDescriptor:
                         return cut_on_first_read(scope, inst, handle)
                     if scope.unnamed:
                         refuse_unnamed(scope, inst, handle)
-                scope.owners[id(handle)] = inst
-                scope.seen.add(uid)
+                if uid not in scope.seen:
+                    # (Once seen, its current handle is in ``owners``: a version
+                    # made here is noted there as it is made.)
+                    scope.owners[id(handle)] = inst
+                    scope.seen.add(d.get("_unique_id"))
                 return handle
         try:
             return d["_handle"]
