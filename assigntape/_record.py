@@ -113,6 +113,12 @@ class Record:
             return tuple(versions)
         return (self.start.get(var._unique_id, own_handle),)
 
+    def first_version(self, uid: str, own_handle: Any) -> Any:
+        """``versions_of(var, own_handle)[0]``, by the variable's unique id,
+        without building the tuple (``gradient`` asks it of every source)."""
+        versions = self.versions.get(uid)
+        return self.start.get(uid, own_handle) if versions is None else versions[0]
+
     def latest(self) -> Dict[str, Any]:
         """Unique id -> the latest version this tape knows, start included."""
         found = {uid: versions[-1] for uid, versions in self.versions.items()}

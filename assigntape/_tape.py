@@ -311,11 +311,17 @@ class AssignAwareTape(tf.GradientTape):
         # a source; else the version.
         plain = not _versions.open_here()
         given: List[Any] = []
+        first_version = self._record.first_version
         for s in flat_sources:
             var = _versions.gradient_variable(s)
-            version = s if var is None else self._versions_of(var)[0]
+            if var is None:
+                mapped_sources.append(s)
+                given.append(s)
+                continue
+            own = _versions.canonical_handle(var)
+            version = first_version(var._unique_id, own)
             mapped_sources.append(version)
-            given.append(var if plain and var is not None and version is _versions.canonical_handle(var) else version)
+            given.append(var if plain and version is own else version)
         if isinstance(target, tensor_lib.Tensor):  # the common case, without nest
             mapped_target = target
         else:
