@@ -58,7 +58,7 @@ from assigntape._tf import (
 from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _leases, _plain_tapes, _rules, _versions, _writes
 from assigntape._wrapping import Wrapper
 
-__all__ = ["acquire", "follow_plain_tapes", "installed", "refuse_unfollowed_recorders", "release", "uninstall"]
+__all__ = ["acquire", "follow_plain_tapes", "installed", "refuse_unfollowed_recorders", "release", "remove_unused", "uninstall"]
 
 _ABSENT = object()
 _installed = False
@@ -413,23 +413,30 @@ def uninstall() -> None:
             closed one that may be entered again or asked for gradients, or a
             ``tf.GradientTape`` that ran beside one. Nothing is removed then.
     """
-    global _installed
     import gc
 
     # Closed tapes waiting in reference cycles hold leases: let them go first.
     gc.collect()
+    users = remove_unused()
+    if users:
+        raise RuntimeError(
+            f"assigntape.uninstall(): {users} tape(s) still need the patches: an open "
+            "AssignAwareTape, a closed one that may be entered again or asked for "
+            "gradients, or a tf.GradientTape that ran beside one. Let them go (del, "
+            "or leave their scope), then call uninstall() again."
+        )
+
+
+def remove_unused() -> int:
+    """``uninstall()`` without its garbage collection: removes every patch
+    unless a tape needs them, and returns how many do (0: removed)."""
+    global _installed
     with _leases.lock:
         users = _leases.count()
-        if users:
-            raise RuntimeError(
-                f"assigntape.uninstall(): {users} tape(s) still need the patches: an open "
-                "AssignAwareTape, a closed one that may be entered again or asked for "
-                "gradients, or a tf.GradientTape that ran beside one. Let them go (del, "
-                "or leave their scope), then call uninstall() again."
-            )
-        if _installed or _saved:  # everything, or the followers of plain tapes
+        if not users and (_installed or _saved):  # everything, or the followers of plain tapes
             _uninstall()
             _installed = False
+        return users
 
 
 def installed() -> bool:

@@ -6,7 +6,10 @@ each interval is under its target.
 The "plain TensorFlow outside any tape" figures compare two long-lived worker
 processes (``benchmarks.worker``): one that used an AssignAwareTape (patches
 installed, dormant), one that never imported assigntape. The parent asks each
-in turn, alternating which goes first, to time one side of a round.
+in turn, alternating which goes first, to time one side of a round. The same
+cases are also timed in this process, the patches installed on one side and
+removed on the other (``outside_same_process_*``): no difference between two
+processes' memory layouts, only what the dormant patches cost.
 
 ``--quick`` takes about 1-3 minutes; the full run about 10-20. Each run saves
 ``benchmarks/results/latest.json`` (everything, with every round's times) and
@@ -151,6 +154,52 @@ class Worker:
         except Exception:
             self.proc.kill()
         self._log.close()
+
+
+def _patches_side(step: Any, installed: bool) -> Any:
+    """A side that runs ``step`` with the patches installed (dormant, as after
+    a tape) or removed, switched before its timer starts."""
+    from benchmarks import paired
+
+    from assigntape import _patches
+
+    timed = paired.loop_side(step)
+
+    def run(reps: int):
+        if installed != _patches.installed():
+            if installed:
+                _patches.acquire()
+                _patches.release()
+            else:
+                _patches.remove_unused()
+        return timed(reps)
+
+    return run
+
+
+def _outside_same_process(cases: List[str], cfg: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """The outside-any-tape figures in one process, without the differences
+    between two processes: the patches installed and dormant on one side,
+    removed (``uninstall``) on the other, switched chunk by chunk."""
+    from benchmarks import paired, worker, workloads
+
+    out: Dict[str, Dict[str, Any]] = {}
+    for case in cases:
+        label = ("A/A: " if cfg["aa"] else "") + "outside any tape, one process: " + worker.CASES[case]
+        _log(f"timing {label} ...")
+        step = worker.build(case)
+        workloads.writes_per_tape(3)["assigntape"]()  # a tape with writes and a gradient, then closed
+        gc.collect()
+        for _ in range(3):
+            step()
+        cand = _patches_side(step, installed=not cfg["aa"])
+        base = _patches_side(step, installed=False)
+        res = paired.measure(cand, base, rounds=cfg["rounds"], target_s=cfg["target_s"],
+                             chunk_s=cfg["worker_chunk_s"], kind="ratio", before_round=gc.collect, clock=cfg["clock"])
+        res.update(label=label, unit="x", target=OUTSIDE_TARGET)
+        out["outside_same_process_" + case] = res
+        _patches_side(step, installed=True)(0)  # leave them installed, as the other figures expect
+    return out
 
 
 def _outside(cases: List[str], cfg: Dict[str, Any], threads: int) -> Dict[str, Dict[str, Any]]:
@@ -310,13 +359,17 @@ def main() -> None:
 
     names = [n for n, *_ in IN_PROCESS]
     outside = OUTSIDE_QUICK if mode == "quick" else OUTSIDE_FULL
+    same_process = OUTSIDE_QUICK if mode == "quick" else OUTSIDE_FULL
     if args.only:
         names = [n for n in names if n in args.only]
         outside = [c for c in OUTSIDE_FULL if "outside_" + c in args.only]
+        same_process = [c for c in OUTSIDE_FULL if "outside_same_process_" + c in args.only]
 
     started = time.time()
     load_before = os.getloadavg()
     figures = _in_process(names, cfg)
+    if same_process:
+        figures.update(_outside_same_process(same_process, cfg))
     if outside:
         figures.update(_outside(outside, cfg, args.threads))
     _print_table(figures)
