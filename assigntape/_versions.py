@@ -239,8 +239,6 @@ _serving = False
 read_checks: List[Tuple[Any, str, Any, Any]] = []
 
 
-
-
 def _seed_from_around(scope: Scope) -> None:
     """A tape opened inside a cond branch or loop body of another tape's graph
     starts from the versions that body sees (the outer tape's, and the body's
