@@ -1019,7 +1019,6 @@ class HandleDescriptor:
                         written = branch.version_of_uid(uid)
                         if written is not None:
                             handle = written
-                            uid = None  # noted below, as each branch version is new
             if scope is not None:
                 if handle is None:
                     handle = d.get("_handle")
@@ -1029,11 +1028,11 @@ class HandleDescriptor:
                         return cut_on_first_read(scope, inst, handle)
                     if scope.unnamed:
                         refuse_unnamed(scope, inst, handle)
-                if uid not in scope.seen:
-                    # (Once seen, its current handle is in ``owners``: a version
-                    # made here is noted there as it is made.)
-                    scope.owners[id(handle)] = inst
-                    scope.seen.add(d.get("_unique_id"))
+                # Every handle served is noted, not only the first: a kept
+                # ``assign`` result serves an older version of the same
+                # variable, and the other-thread check names writes by handle.
+                scope.owners[id(handle)] = inst
+                scope.seen.add(d.get("_unique_id"))
                 return handle
         try:
             return d["_handle"]
