@@ -426,3 +426,34 @@ def test_a_plain_tape_entered_after_uninstall_is_refused_not_ignored():
             w.assign(w * 3.0)
         y = w * 1.0
     assert float(outer.gradient(y, w)) == 3.0
+
+
+def test_another_threads_write_is_refused_after_reads_through_a_kept_assign_result():
+    """A kept ``assign`` result serves an older version of its variable: the
+    tape's reads through it and through the variable both name the variable,
+    so another thread's write is refused (adversarial finding: it went through,
+    and dy/dv came out 20)."""
+    from assigntape import UntrackedWriteError
+
+    v = tf.Variable(2.0)
+    with AssignAwareTape():
+        kept = v.assign_add(1.0)  # v = 3
+    outcome = {}
+
+    def other() -> None:
+        try:
+            v.assign(10.0)
+            outcome["write"] = "went through"
+        except UntrackedWriteError:
+            outcome["write"] = "refused"
+
+    with AssignAwareTape() as tape:
+        _ = kept * 1.0
+        _ = v * v
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        y = v * v
+    assert outcome["write"] == "refused"
+    # The rewrite: y = v^2 with v = 3.
+    assert float(y) == 9.0 and float(tape.gradient(y, v)) == 6.0

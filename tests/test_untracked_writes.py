@@ -220,6 +220,26 @@ def test_a_variable_made_after_import_before_any_tape_is_known_by_its_handle(mod
     assert float(gx) == 36.0 and gc is None
 
 
+def test_a_raw_write_through_an_early_handle_after_reads_through_a_kept_assign_result():
+    """The variable was read in the tape (through a kept ``assign`` result,
+    then itself): a write through its handle fetched before anything was
+    installed is a version (adversarial finding: it was refused)."""
+    uninstall()  # as in a process that imported assigntape after making v
+    v = tf.Variable(2.0)
+    handle = v.handle
+    a = tf.constant(1.5)
+    with AssignAwareTape():
+        kept = v.assign_add(1.0)  # v = 3
+    with AssignAwareTape() as tape:
+        tape.watch(a)
+        _ = kept * 1.0
+        _ = v * 1.0
+        tf.raw_ops.AssignVariableOp(resource=handle, value=a * 2.0)
+        y = v * v
+    # The rewrite: y = (2a)^2, dy/da = 8a.
+    assert float(y) == 9.0 and float(tape.gradient(y, a)) == 12.0
+
+
 def test_a_variable_written_through_a_handle_no_tape_can_name_and_never_read_is_plain_tensorflow():
     uninstall()
     x, c = tf.Variable(2.0), tf.Variable(1.5)
