@@ -104,9 +104,8 @@ class AssignAwareTape(tf.GradientTape):
             current = scope.current.get(uid)
             if current is None:
                 current = mine
-                scope.current[uid] = current
-                scope.owners[id(current)] = var
-                scope.canonical[id(_versions.canonical_handle(var))] = var
+                # Seen, too: another thread must not write it behind the tape.
+                scope.adopt(var, current)
                 if written.pop(id(_versions.canonical_handle(var)), None) is not None:
                     scope.advance(var, current, _versions.new_version(current, None), _versions.CLOSED_WRITE)
                     continue

@@ -493,6 +493,12 @@ def tracked_in_other_thread(handle: Any, var: Optional[Any]) -> Optional[Any]:
         # checked on every write. (A scope another thread opens meanwhile has
         # seen nothing yet.)
         return None
+    if var is None and isinstance(handle, ops.EagerTensor):
+        # A variable's own handle names it even where no scope of this thread
+        # does (a tape entered again tracks it by its versions only).
+        own = _by_handle.get(id(handle))
+        if own is not None and own.__dict__.get("_handle") is handle:
+            var = own
     for scope in _other_threads():
         found = var if var is not None and var._unique_id in scope.seen else scope.owners.get(id(handle))
         if found is not None:
@@ -1040,6 +1046,15 @@ class HandleDescriptor:
             raise AttributeError("_handle") from None
 
     def __set__(self, inst: Any, value: Any) -> None:
+        if type(inst) is _UNREAD_VARIABLE and isinstance(value, ops.EagerTensor):
+            # What ``assign`` returns inside a tape is given the version being
+            # read: it keeps its variable's own handle instead, as in plain
+            # TensorFlow, and is served the current version through this
+            # descriptor while a tape is open (it shares the unique id). Kept
+            # after the tape, it would otherwise credit the old version.
+            made = _eager_versions.get(id(value))
+            if made is not None and made[0]() is value:
+                value = canonical_handle(made[1])
         inst.__dict__["_handle"] = value
         note_handle(inst, value)
 

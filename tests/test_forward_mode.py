@@ -459,3 +459,63 @@ def test_no_case_aborts_the_process():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode >= 0, f"killed by signal {-done.returncode}:\n{done.stderr[-2000:]}"
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+# -- a reverse tape's stop_recording() inside an accumulator --------------------
+_READS = {
+    "identity": tf.identity,
+    "read_value": lambda w: w.read_value() if isinstance(w, tf.Variable) else tf.identity(w),
+    "direct": lambda w: w * 1.0,
+}
+
+
+def _two_accumulators(w: Any, v: Any, x: Any, tape: Any, read: Callable[[Any], Any], stop: bool) -> Any:
+    """A variable (or its rewrite) written in each of two successive
+    accumulators, T's gradient asked of a running sum of values and jvps."""
+    out = tf.constant(0.0, tf.float64)
+    with tape:
+        tape.watch(x)
+        for _ in range(2):
+            with tf.autodiff.ForwardAccumulator(x, tf.constant(1.0, tf.float64)) as acc:
+                step = tf.sin(x) * -0.15 + w * 0.25
+                if isinstance(w, tf.Variable):
+                    w.assign_sub(step)
+                else:
+                    w = w - step
+                a = read(w) * x
+                if stop:
+                    with tape.stop_recording():
+                        pass
+                a = a + v * x
+            out = out + a + acc.jvp(a)
+    return tape.gradient(out, x)
+
+
+def test_after_a_stop_inside_an_accumulator_tensorflows_own_answer_depends_on_the_ops():
+    """Why the README leaves this case undefined: with no variable at all, one
+    identity op more in the chain changes TensorFlow's second-order answer
+    (with no stop, it does not)."""
+    x, v, w = (tf.constant(c, tf.float64) for c in (0.9, 0.7, -0.4))
+
+    def answers(stop: bool) -> list:
+        reads = [tf.identity, lambda t: tf.identity(tf.identity(t))]
+        return [float(_two_accumulators(w, v, x, tf.GradientTape(), r, stop)) for r in reads]
+
+    once, twice = answers(stop=True)
+    assert abs(once - twice) > 0.1
+    once, twice = answers(stop=False)
+    assert once == pytest.approx(twice, rel=1e-12)
+
+
+@modes
+@pytest.mark.parametrize("read", sorted(_READS))
+def test_forward_over_reverse_across_two_accumulators_equals_the_rewrite(mode, read):
+    x, v0, w0 = (tf.constant(c, tf.float64) for c in (0.9, 0.7, -0.4))
+    v, w = tf.Variable(v0), tf.Variable(w0)
+
+    def program() -> Any:
+        w.assign(w0)
+        return _two_accumulators(w, v, x, AssignAwareTape(), _READS[read], stop=False)
+
+    expected = _two_accumulators(w0, v0, x, tf.GradientTape(), _READS[read], stop=False)
+    np.testing.assert_allclose(float(run(mode, program)), float(expected), rtol=1e-12)

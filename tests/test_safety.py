@@ -171,6 +171,21 @@ def test_variable_uses_its_own_handle_after_the_tape():
     assert float(plain.gradient(y, v)) == 12.0
 
 
+@pytest.mark.parametrize("later", ["plain-tape", "aware-tape"])
+def test_a_kept_assign_result_is_plain_tensorflow_after_the_tape(later):
+    """What ``assign_add`` returned inside a tape names its variable's own
+    handle afterwards (adversarial finding: it kept the tape's version, and
+    a later plain tape's dy/dv came out 3)."""
+    v, x = tf.Variable(2.0), tf.constant(3.0)
+    with AssignAwareTape():
+        kept = v.assign_add(1.0)  # v = 3
+    assert kept.handle is v.__dict__["_handle"]
+    with (tf.GradientTape() if later == "plain-tape" else AssignAwareTape()) as tape:
+        y = v * x + kept * x
+    # Plain TensorFlow: both read the same resource, dy/dv = 2x.
+    assert float(y) == 18.0 and float(tape.gradient(y, v)) == 6.0
+
+
 def test_a_thread_without_a_tape_sees_plain_tensorflow():
     a, b, c = tf.Variable(1.0), tf.Variable(2.0), tf.Variable(3.0)
     shared = tf.Variable(5.0)
@@ -317,11 +332,11 @@ def _in_thread(fn):
     return outcome
 
 
-@pytest.mark.parametrize("how", ["plain-thread", "thread-with-tape", "tf.function"])
-def test_a_write_from_another_thread_to_a_tracked_variable_is_refused(how):
-    from assigntape import UntrackedWriteError
+_OTHER_THREAD_WRITES = ["plain-thread", "thread-with-tape", "tf.function"]
 
-    v, x = tf.Variable(3.0, name="shared_w"), tf.Variable(2.0)
+
+def _writer(how, v):
+    """What another thread runs to write ``v``, by each of the paths a write can take."""
     write_in_function = tf.function(lambda: v.assign(100.0))
     write_in_function.get_concrete_function()  # traced before the tape: no tape sees the trace
 
@@ -334,13 +349,46 @@ def test_a_write_from_another_thread_to_a_tracked_variable_is_refused(how):
         else:
             v.assign(100.0)
 
+    return other
+
+
+def _assert_refused(outcome):
+    from assigntape import UntrackedWriteError
+
+    assert isinstance(outcome.get("error"), UntrackedWriteError)
+    assert "shared_w" in str(outcome["error"]) and "thread" in str(outcome["error"])
+
+
+@pytest.mark.parametrize("how", _OTHER_THREAD_WRITES)
+def test_a_write_from_another_thread_to_a_tracked_variable_is_refused(how):
+    v, x = tf.Variable(3.0, name="shared_w"), tf.Variable(2.0)
+    other = _writer(how, v)
     with AssignAwareTape() as tape:
         v.assign(x * 5.0)
         outcome = _in_thread(other)
         y = v * 1.0
-    assert isinstance(outcome.get("error"), UntrackedWriteError)
-    assert "shared_w" in str(outcome["error"]) and "thread" in str(outcome["error"])
+    _assert_refused(outcome)
     assert float(y) == 10.0 and float(tape.gradient(y, x)) == 5.0  # nothing was written
+
+
+@pytest.mark.parametrize("how", _OTHER_THREAD_WRITES)
+def test_a_write_from_another_thread_is_refused_in_a_tape_entered_again(how):
+    """The tape carries on from its own version of the variable, which it
+    wrote before it closed (adversarial finding: the write went through, and
+    y came out 100 with dy/dx 40)."""
+    v, x = tf.Variable(3.0, name="shared_w"), tf.constant(1.5)
+    other = _writer(how, v)
+    tape = AssignAwareTape(persistent=True)
+    with tape:
+        tape.watch(x)
+        v.assign(x * 2.0)
+    with tape:
+        _ = v * v
+        outcome = _in_thread(other)
+        y = v * v
+    _assert_refused(outcome)
+    # The rewrite: y = (2x)^2, dy/dx = 8x.
+    assert float(y) == 9.0 and float(tape.gradient(y, x)) == 12.0
 
 
 def test_a_thread_may_write_a_variable_another_threads_tape_never_saw():
