@@ -33,6 +33,7 @@ from assigntape._tf import (
     auto_control_deps,
     composite_tensor,
     control_flow_util,
+    dtypes,
     eager_tape,
     gen_resource_variable_ops,
     handle_data_util,
@@ -607,6 +608,44 @@ def while_loop(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
             carried.append(request[1])
 
 
+def _refuse_read_tangents(token: Any, carried: List[str]) -> None:
+    """A loop body just traced reads a variable it does not write, through
+    the variable's handle captured from outside, while a ``ForwardAccumulator``
+    has a tangent for that handle: TensorFlow's forward mode through the loop
+    does not carry a captured handle's tangent (it fails with "variable
+    without handle data", or, beside a carried variable with a tangent, drops
+    it: a silently wrong jvp). Refused while tracing, nothing run. (The
+    variables the body writes, ``carried``, are written through their own
+    handle, captured too: their values carry the tangents.)"""
+    request = getattr(_retry, "request", None)
+    if request is not None and request[0] is token:
+        return  # traced again, carrying a written variable: checked then
+    graph = ops.get_default_graph()
+    for external, _ in getattr(graph, "captures", ()):
+        if external.dtype != dtypes.resource:
+            continue
+        # An accumulator in the function watches the function's capture of
+        # the eager handle (its placeholder), not the handle itself.
+        seen_as = [external]
+        outer = getattr(graph, "outer_graph", None)
+        while outer is not None:
+            seen_as += [inside for outside, inside in getattr(outer, "captures", ()) if outside is external]
+            outer = getattr(outer, "outer_graph", None)
+        var = _versions.variable_of_handle(external)
+        if var is not None and var._unique_id in carried:
+            continue  # written in the body: its value is carried, its handle written through
+        _, tangents = pywrap_tfe.TFE_Py_PackJVPs(seen_as)
+        if tangents:
+            name = repr(var.name) if var is not None else "a variable"
+            raise ControlFlowWriteError(
+                f"Forward mode through a graph loop that reads variable {name} without writing it, "
+                "while a ForwardAccumulator has a tangent for it: TensorFlow does not carry the "
+                "tangent of a variable captured by a loop body (the jvp would drop it). Read the "
+                "variable once before the loop (x_value = x * 1.0) and use that tensor in the body, "
+                "or unroll the loop in Python."
+            )
+
+
 def _carrying(
     wrapped: Callable[..., Any], arguments: Dict[str, Any], scope: Any, parent: Any, carried: List[Any], token: Any
 ) -> Any:
@@ -624,7 +663,9 @@ def _carrying(
         def watched_body(*state: Any) -> Any:
             body = _open(scope, parent, [], token)
             try:
-                return _read_now(user_body(*state))
+                out = _read_now(user_body(*state))
+                _refuse_read_tangents(token, [])
+                return out
             finally:
                 _versions.close_branch(body)
 
@@ -646,6 +687,7 @@ def _carrying(
                 _branch_version(body, v, value, value)
             _inherit(body)
             out = _read_now(user_body(*state))
+            _refuse_read_tangents(token, uids)
         finally:
             _versions.close_branch(body)
         if not nest.is_nested(out):

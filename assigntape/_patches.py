@@ -281,6 +281,8 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         if not scopes and not closed:
+            if _versions._switched:
+                _versions.idle()  # may take this and the other switches off
             return wrapped(*args, **kwargs)
         return function(wrapped, instance, args, kwargs)
 
@@ -323,8 +325,10 @@ def _put(owner: Any, name: str, function: Callable[..., Any]) -> None:
     if function in _READ_CHECKS:
         # Put in place (and taken off) by ``_versions``, when there is something to check.
         _versions.read_checks.append((owner, name, original, wrapper))
-    else:
-        setattr(owner, name, wrapper)
+        return
+    setattr(owner, name, wrapper)
+    if function not in _ALWAYS_ON:
+        _versions.switches.append(lambda on: setattr(owner, name, wrapper if on else original))
 
 
 def _install() -> None:
@@ -336,6 +340,9 @@ def _install() -> None:
     _versions.serve_handles(True)
     for group in _groups:
         group.put(group.wrappers)
+        if not hasattr(group.owner, "_fastdict_insert"):
+            # (tf.compat.v1.raw_ops, slow to set, keeps its dormant wrappers.)
+            _versions.switches.append(lambda on, group=group: group.put(group.wrappers if on else group.originals))
 
 
 def follow_plain_tapes() -> None:

@@ -78,10 +78,22 @@ def _snapshot() -> Optional[Dict[str, Any]]:
 _open_plain = _versions.open_plain
 
 
+def _quiet() -> bool:
+    """No tape of ours is open in any thread, and none closed is alive (nor a
+    recorder that held versions): a plain tape has no version to note, only
+    that it is open (every Keras train step enters one, so this is kept short)."""
+    return not _versions._all_scopes and not _closed_records
+
+
+_closed_records = _versions.closed_tapes.data
+
+
 def enter(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``GradientTape.__enter__``: a plain tape notes the versions current now."""
     result = wrapped(*args, **kwargs)
-    if _is_plain(instance):
+    if _quiet() and _is_plain(instance):
+        _open_plain().append((weakref.ref(instance), _versions.current_key()))
+    elif _is_plain(instance):
         _opened(instance)
         if not hasattr(instance, _START):
             snapshot = _snapshot()
@@ -99,7 +111,9 @@ def enter(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) ->
 def exit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``GradientTape.__exit__``: a plain tape notes the versions current now."""
     result = wrapped(*args, **kwargs)
-    if _is_plain(instance):
+    if _quiet() and _is_plain(instance):
+        _forget_open(instance)
+    elif _is_plain(instance):
         snapshot = _snapshot()
         if snapshot is not None:
             setattr(instance, _END, snapshot)
@@ -171,12 +185,16 @@ def _opened(instance: Any) -> None:
             _versions.resume_holder(instance, versions, record.written_while_closed)
 
 
-def _closed(instance: Any) -> None:
+def _forget_open(instance: Any) -> None:
     opened = _open_plain()
     for i in range(len(opened) - 1, -1, -1):
         if opened[i][0]() is instance:
             del opened[i]
             break
+
+
+def _closed(instance: Any) -> None:
+    _forget_open(instance)
     held = _versions.held_by(instance)
     _versions.release_holder(instance)
     if held:
@@ -185,7 +203,7 @@ def _closed(instance: Any) -> None:
         # as for a closed AssignAwareTape (``_versions.note_write_while_closed``).
         record = Record(instance)
         setattr(instance, _HELD, (_versions.current_key(), held, record))
-        _versions.closed_tapes.add(record)
+        _versions.hold_closed(record)
         lease(instance)
 
 

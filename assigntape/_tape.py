@@ -88,6 +88,8 @@ class AssignAwareTape(tf.GradientTape):
         self._end_lease()
         record = self._record
         scope = self._scope = _versions.open_scope(record)
+        # What it read or wrote before, entered again: not to be written by another thread.
+        scope.seen.update(record.seen)
         if not self._entered:
             self._entered = True
             self._snapshot_start(scope)
@@ -149,7 +151,7 @@ class AssignAwareTape(tf.GradientTape):
         """Keeps the patches installed while the tape is closed, and has every
         write made meanwhile noted, for when it is entered again (until
         ``_end_lease``, or until the tape is garbage: the set is weak)."""
-        _versions.closed_tapes.add(self._record)
+        _versions.hold_closed(self._record)
 
     def _end_lease(self) -> None:
         _versions.closed_tapes.discard(self._record)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
@@ -190,10 +191,14 @@ def open_scope(tape_record: Record) -> Scope:
 
 
 def _list(scope: Scope) -> None:
+    global _active_at
     with _all_lock:
         _all_scopes.append(scope)
         if len(_all_scopes) == 1:
             _serve_versions(True)
+            _active_at = time.monotonic()
+            if not _switched:
+                _switch(True)
 
 
 def _serve_versions(on: bool) -> None:
@@ -220,19 +225,66 @@ def _check_reads(on: bool) -> None:
 def serve_handles(on: bool) -> None:
     """``_patches`` installs (``on``) or uninstalls: the descriptor is served
     from now on while a scope is open, or never."""
-    global _serving
+    global _serving, _switched, _active_at
     with _all_lock:
         if on:
             _serving = True
             _serve_versions(bool(_all_scopes))
+            _switched, _active_at = True, time.monotonic()  # installing put them all in place
         else:
             _serve_versions(False)
             _check_reads(False)
-            _serving = False
+            _serving = _switched = False
             read_checks.clear()
+            switches.clear()
+
+
+def _switch(on: bool) -> None:
+    """Puts the ``switches`` in place (``on``) or takes them off. Called under ``_all_lock``."""
+    global _switched
+    if _serving:
+        for put in switches:
+            put(on)
+        _switched = on
+
+
+def idle() -> None:
+    """A dormant patch was called with no tape open or closed-but-alive in
+    any thread: if none has been for ``IDLE_SECONDS``, the ``switches`` come
+    off, and code outside every tape calls TensorFlow's own functions from
+    then on (until the next tape opens). Waiting keeps a loop that opens a
+    tape every step from putting them on and off every step."""
+    if time.monotonic() - _active_at < IDLE_SECONDS:
+        return
+    with _all_lock:
+        if _switched and not _all_scopes and not closed_tapes.data:
+            _switch(False)
+
+
+def hold_closed(tape_record: Record) -> None:
+    """A tape closes and may be entered again (or asked for gradients): its
+    record notes the writes made meanwhile, so the write patches must be in
+    place while it lives."""
+    global _active_at
+    with _all_lock:
+        closed_tapes.add(tape_record)
+        _active_at = time.monotonic()
+        if not _switched:
+            _switch(True)
 
 
 _serving = False
+# What ``_patches`` puts in place only while a tape may need it: callables
+# ``put(on)``, the wrappers of the functions TensorFlow's own code calls
+# (writes, strategy updates, traced functions' calls), each of which costs a
+# call through a dormant wrapper outside every tape. (The ``tf.raw_ops``
+# modules keep their wrappers: setting them is slow, and TensorFlow does not
+# call them.)
+switches: List[Any] = []
+_switched = False
+# When the last tape opened or closed (time.monotonic()), for ``idle``.
+_active_at = 0.0
+IDLE_SECONDS = 0.05
 # (owner, attribute, original, wrapper) of the patches ``_patches`` puts in
 # place only while ``_with_unnamed`` is not empty (``accessed``): every
 # variable read calls them, and until then they have nothing to do.
@@ -270,6 +322,7 @@ def close_scope(scope: Scope, tape_record: Record, holders: Sequence[Any] = ()) 
     unless ``holders`` (plain tapes, forward accumulators open around it)
     keep them until they close (``release_holder``)."""
     scope.records.remove(tape_record)
+    tape_record.seen.update(scope.seen)
     if not scope.records:
         if holders:
             scope.holders = list(holders)
@@ -320,6 +373,7 @@ def release_holder(instance: Any) -> None:
 
 def _drop(scope: Scope) -> None:
     """Forgets ``scope``'s versions and unregisters it."""
+    global _active_at
     scope.current.clear()
     scope.owners.clear()
     scope.pinned.clear()
@@ -338,6 +392,7 @@ def _drop(scope: Scope) -> None:
         _all_scopes.remove(scope)
         if not _all_scopes:
             _serve_versions(False)
+            _active_at = time.monotonic()
 
 
 def open_here() -> bool:
@@ -493,17 +548,23 @@ def tracked_in_other_thread(handle: Any, var: Optional[Any]) -> Optional[Any]:
         # checked on every write. (A scope another thread opens meanwhile has
         # seen nothing yet.)
         return None
-    if var is None and isinstance(handle, ops.EagerTensor):
+    if var is None:
         # A variable's own handle names it even where no scope of this thread
         # does (a tape entered again tracks it by its versions only).
-        own = _by_handle.get(id(handle))
-        if own is not None and own.__dict__.get("_handle") is handle:
-            var = own
+        var = variable_of_handle(handle)
     for scope in _other_threads():
         found = var if var is not None and var._unique_id in scope.seen else scope.owners.get(id(handle))
         if found is not None:
             return found
     return None
+
+
+def variable_of_handle(handle: Any) -> Optional[Any]:
+    """The variable whose own (eager) handle ``handle`` is, if it is one."""
+    if not isinstance(handle, ops.EagerTensor):
+        return None
+    var = _by_handle.get(id(handle))
+    return var if var is not None and var.__dict__.get("_handle") is handle else None
 
 
 def refuse_other_thread(handle: Any, var: Optional[Any], op_name: str) -> None:
