@@ -35,6 +35,7 @@ from assigntape._tf import (
     control_flow_util,
     dtypes,
     eager_tape,
+    forwardprop,
     gen_resource_variable_ops,
     handle_data_util,
     math_ops,
@@ -608,7 +609,7 @@ def while_loop(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
             carried.append(request[1])
 
 
-def _refuse_read_tangents(token: Any, carried: List[str]) -> None:
+def _refuse_read_tangents(scope: Any, token: Any, carried: List[str]) -> None:
     """A loop body just traced reads a variable it does not write, through
     the variable's handle captured from outside, while a ``ForwardAccumulator``
     has a tangent for that handle: TensorFlow's forward mode through the loop
@@ -624,17 +625,23 @@ def _refuse_read_tangents(token: Any, carried: List[str]) -> None:
     for external, _ in getattr(graph, "captures", ()):
         if external.dtype != dtypes.resource:
             continue
-        # An accumulator in the function watches the function's capture of
-        # the eager handle (its placeholder), not the handle itself.
-        seen_as = [external]
+        # The same handle in the graphs around: an accumulator in the function
+        # watches the function's capture of the eager handle (its
+        # placeholder), and a body nested in a body captures the outer body's.
+        seen_as = {id(external): external}
         outer = getattr(graph, "outer_graph", None)
         while outer is not None:
-            seen_as += [inside for outside, inside in getattr(outer, "captures", ()) if outside is external]
+            for outside, inside in getattr(outer, "captures", ()):
+                if id(outside) in seen_as or id(inside) in seen_as:
+                    seen_as[id(outside)], seen_as[id(inside)] = outside, inside
             outer = getattr(outer, "outer_graph", None)
+        # Its own handle, or a version written before the loop.
         var = _versions.variable_of_handle(external)
+        if var is None:
+            var = scope.owners.get(id(external))
         if var is not None and var._unique_id in carried:
             continue  # written in the body: its value is carried, its handle written through
-        _, tangents = pywrap_tfe.TFE_Py_PackJVPs(seen_as)
+        _, tangents = pywrap_tfe.TFE_Py_PackJVPs(list(seen_as.values()))
         if tangents:
             name = repr(var.name) if var is not None else "a variable"
             raise ControlFlowWriteError(
@@ -644,6 +651,31 @@ def _refuse_read_tangents(token: Any, carried: List[str]) -> None:
                 "variable once before the loop (x_value = x * 1.0) and use that tensor in the body, "
                 "or unroll the loop in Python."
             )
+
+
+# What TensorFlow's forward mode raises, while tracing, through a graph loop
+# that writes a variable (README, Known limits).
+_FORWARD_MODE_FAILURES = ("without handle data", "<dtype: 'variant'> is not compatible")
+
+
+def _refuse_forward_mode_failure(error: Exception, carried: List[Any]) -> None:
+    """TensorFlow failed to build the loop that writes ``carried`` while a
+    ``ForwardAccumulator`` is open here: its own forward mode through
+    while_v2 (alone, on the resource the body writes through; beside a reverse
+    tape, in the loop's gradient, as in plain TensorFlow). Nothing has run.
+    Raised as a ``ControlFlowWriteError`` that says what to do instead."""
+    found = [text for text in _FORWARD_MODE_FAILURES if text in str(error)]
+    if not found:
+        return
+    if not any(isinstance(ref(), forwardprop.ForwardAccumulator) for ref, _ in _versions.open_plain()):
+        return
+    names = ", ".join(repr(v.name) for v in carried)
+    raise ControlFlowWriteError(
+        f"Forward mode through a graph loop that writes {names}: TensorFlow's own forward mode "
+        f"through the loop failed while tracing ({type(error).__name__}: ...{found[0]}...), "
+        "nothing ran. Unroll the loop in Python "
+        "(range instead of tf.range, or eagerly), or take the gradient in reverse mode."
+    ) from error
 
 
 def _carrying(
@@ -664,7 +696,7 @@ def _carrying(
             body = _open(scope, parent, [], token)
             try:
                 out = _read_now(user_body(*state))
-                _refuse_read_tangents(token, [])
+                _refuse_read_tangents(scope, token, [])
                 return out
             finally:
                 _versions.close_branch(body)
@@ -687,7 +719,7 @@ def _carrying(
                 _branch_version(body, v, value, value)
             _inherit(body)
             out = _read_now(user_body(*state))
-            _refuse_read_tangents(token, uids)
+            _refuse_read_tangents(scope, token, uids)
         finally:
             _versions.close_branch(body)
         if not nest.is_nested(out):
@@ -697,16 +729,20 @@ def _carrying(
     invariants = arguments.get("shape_invariants")
     if invariants is not None:
         invariants = (invariants, tuple(t.shape for t in start))
-    result, final = wrapped(
-        **dict(
-            arguments,
-            cond=cond_fn,
-            body=body_fn,
-            loop_vars=(loop_vars, start),
-            shape_invariants=invariants,
-            return_same_structure=True,
+    try:
+        result, final = wrapped(
+            **dict(
+                arguments,
+                cond=cond_fn,
+                body=body_fn,
+                loop_vars=(loop_vars, start),
+                shape_invariants=invariants,
+                return_same_structure=True,
+            )
         )
-    )
+    except (TypeError, ValueError) as error:
+        _refuse_forward_mode_failure(error, carried)
+        raise
     for v, value in zip(carried, final):
         _leave(scope, parent, v, value, "tf.while_loop")
     if arguments.get("return_same_structure", True):

@@ -161,7 +161,7 @@ def _patches_side(step: Any, installed: bool) -> Any:
     a tape) or removed, switched before its timer starts."""
     from benchmarks import paired
 
-    from assigntape import _patches
+    from assigntape import _patches, _versions
 
     timed = paired.loop_side(step)
 
@@ -170,6 +170,9 @@ def _patches_side(step: Any, installed: bool) -> Any:
             if installed:
                 _patches.acquire()
                 _patches.release()
+                # As in a process whose last tape is long gone: the wrappers
+                # TensorFlow's code calls are off again (``_versions.idle``).
+                _versions.idle(wait=0.0)
             else:
                 _patches.remove_unused()
         return timed(reps)
