@@ -522,9 +522,19 @@ def _leave(scope: Any, parent: Any, var: Any, value: Any, what: str) -> None:
         write_around(scope, around, [var], lambda: _branch_version(around, var, value, value), what)
         return
     old = scope.current_version(var)
-    new = _versions.new_version(old, value)
-    record.record_operation(what, [new], [value], lambda g: [g], forward_function=lambda t: [t])
+    if scope.key is None:
+        new = _versions.new_version(old, value)
+    else:
+        # Connected to the value in the graph too, as a write at the top level
+        # is: the graph's own gradient (tf.gradients, and TensorFlow's
+        # gradient of a call of the function) follows it.
+        new = symbolic_version(var, old, value, [value], _identity_backward)
+    record.record_operation(what, [new], [value], _identity_backward, forward_function=lambda t: [t])
     scope.advance(var, old, new, _versions.WriteRecord(what))
+
+
+def _identity_backward(grad: Any) -> List[Any]:
+    return [grad]
 
 
 _pending: List[List[Any]] = []

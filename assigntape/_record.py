@@ -12,7 +12,7 @@ pause it for one op) goes through the record, which holds the tape weakly
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 __all__ = ["Record", "WriteRecord"]
 
@@ -59,9 +59,6 @@ class Record:
         self.writes: Dict[str, List[WriteRecord]] = {}
         self.escapes: List[str] = []
         self.written_while_closed: Dict[int, Any] = {}
-        # Unique ids of the variables read or written while it was open, kept
-        # when it closes: entered again, another thread must not write them.
-        self.seen: Set[str] = set()
 
     # -- the tape's TensorFlow side --------------------------------------------
 
@@ -142,6 +139,5 @@ class Record:
         self.writes.clear()
         self.escapes.clear()
         self.written_while_closed.clear()
-        self.seen.clear()
         self.start = dict(current)
         self.start_owners = {uid: owners[id(h)] for uid, h in self.start.items()}

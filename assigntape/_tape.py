@@ -88,12 +88,17 @@ class AssignAwareTape(tf.GradientTape):
         self._end_lease()
         record = self._record
         scope = self._scope = _versions.open_scope(record)
-        # What it read or wrote before, entered again: not to be written by another thread.
-        scope.seen.update(record.seen)
         if not self._entered:
             self._entered = True
             self._snapshot_start(scope)
             return self
+        # Entered again: what it recorded reads of before (its watched
+        # variables) must not be written by another thread meanwhile (nor
+        # what it wrote, adopted below). Not what other tapes read then.
+        for var in super().watched_variables():
+            uid = getattr(var, "_unique_id", None)
+            if uid is not None:
+                scope.seen.add(uid)
         # Entered again. Each variable carries on from this tape's latest
         # version, unless it was written while the tape was closed: by a tape
         # still open (its version is current here, and this tape did not record

@@ -322,7 +322,6 @@ def close_scope(scope: Scope, tape_record: Record, holders: Sequence[Any] = ()) 
     unless ``holders`` (plain tapes, forward accumulators open around it)
     keep them until they close (``release_holder``)."""
     scope.records.remove(tape_record)
-    tape_record.seen.update(scope.seen)
     if not scope.records:
         if holders:
             scope.holders = list(holders)

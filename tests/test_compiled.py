@@ -206,3 +206,57 @@ def test_nested_raw_read_in_a_compiled_tape():
         return tape.gradient(y, x)
 
     assert float(step()) == 7.0
+
+
+# -- the graph's own gradient through writes in control flow --------------------
+def _writes_in(where: str, x: tf.Variable, w: tf.Variable, gradients_inside: bool = True):
+    """A tf.function whose tape writes w <- w + x w three times in ``where``:
+    out = w x = w0 (1 + x)^3 x, d out / dx = 21.875 at w0 = 0.5, x = 1.5.
+    It returns the tape's and tf.gradients' gradients too, ``gradients_inside``."""
+
+    @tf.function
+    def f():
+        w.assign(0.5)
+        with AssignAwareTape() as tape:
+            if where == "cond":
+                for _ in range(3):
+                    tf.cond(x > 0, lambda: w.assign_add(x * w), lambda: w.assign_sub(x * w))
+            elif where == "graph loop":
+                for _ in tf.range(3):
+                    w.assign_add(x * w)
+            else:
+                for _ in range(3):
+                    w.assign_add(x * w)
+            out = w * x
+        if not gradients_inside:
+            return (out,)
+        by_tape = tape.gradient(out, x)
+        # After the tape's own: TensorFlow itself fails (an assertion in
+        # cond_v2) on a tape's gradient through a cond that tf.gradients took first.
+        return out, by_tape, tf.gradients(out, x)[0]
+
+    return f
+
+
+@pytest.mark.parametrize("where", ["cond", "graph loop", "top level"])
+def test_the_graphs_own_gradient_follows_writes_in_control_flow(where):
+    """tf.gradients in the tape's graph, a plain tape around the function's
+    call, and an accumulator around a call of the function traced before, all
+    differentiate the graph itself (adversarial finding: through writes in a
+    cond or graph loop they gave 7.8125, the writes' dependence lost)."""
+    x, w = tf.Variable(1.5, dtype=tf.float64), tf.Variable(0.5, dtype=tf.float64)
+    f = _writes_in(where, x, w)
+    expected = 0.5 * 2.5**3 + 3 * 0.5 * 1.5 * 2.5**2  # = 21.875
+    out, by_tape, symbolic = f()
+    assert float(out) == pytest.approx(0.5 * 2.5**3 * 1.5)
+    assert float(by_tape) == pytest.approx(expected) and float(symbolic) == pytest.approx(expected)
+    with tf.GradientTape() as around:
+        out = f()[0]
+    assert float(around.gradient(out, x)) == pytest.approx(expected)
+    # (Without gradients inside: TensorFlow's forward mode fails on a call of
+    # a function with a cond's or loop's gradient in it, with or without us.)
+    f = _writes_in(where, x, w, gradients_inside=False)
+    f()  # traced outside the accumulator
+    with tf.autodiff.ForwardAccumulator(x, tf.constant(1.0, tf.float64)) as acc:
+        out = f()[0]
+    assert float(acc.jvp(out)) == pytest.approx(expected)

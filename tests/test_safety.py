@@ -241,6 +241,29 @@ def test_variable_uses_its_own_handle_after_the_tape():
     assert float(plain.gradient(y, v)) == 12.0
 
 
+@pytest.mark.parametrize("read_by", ["an outer tape", "a sibling, under the re-entered tape's stop"])
+def test_a_tape_entered_again_lets_another_thread_write_what_only_other_tapes_read(read_by):
+    """Refused only for what the re-entered tape itself read or wrote
+    (adversarial finding: a variable only an outer tape read was refused)."""
+    v, x = tf.Variable(2.0), tf.Variable(3.0)
+    tape = AssignAwareTape(persistent=True)
+    if read_by == "an outer tape":
+        with AssignAwareTape():
+            _ = v * 3.0
+            with tape:
+                _ = x * 2.0
+    else:
+        with tape, AssignAwareTape():
+            with tape.stop_recording():
+                _ = v * 3.0
+            _ = x * 2.0
+    with tape:
+        outcome = _in_thread(lambda: v.assign(5.0))
+        y = x * 2.0
+    assert "error" not in outcome and float(v) == 5.0
+    assert float(tape.gradient(y, x)) == 2.0
+
+
 @pytest.mark.parametrize("later", ["plain-tape", "aware-tape"])
 def test_a_kept_assign_result_is_plain_tensorflow_after_the_tape(later):
     """What ``assign_add`` returned inside a tape names its variable's own
