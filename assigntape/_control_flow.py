@@ -489,6 +489,9 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
     try:
         with _entering():
             out, values = wrapped(**arguments)
+    except (TypeError, ValueError) as error:
+        _refuse_forward_mode_failure(error, [var for b in branches for var, _ in b.values.values()], "cond")
+        raise
     finally:
         _pending.remove(branches)
     written = {uid: var for b in branches for uid, (var, _) in b.values.items()}
@@ -659,32 +662,41 @@ def _refuse_read_tangents(scope: Any, token: Any, carried: List[str]) -> None:
                 "while a ForwardAccumulator has a tangent for it: TensorFlow does not carry the "
                 "tangent of a variable captured by a loop body (the jvp would drop it). Read the "
                 "variable once before the loop (x_value = x * 1.0) and use that tensor in the body, "
-                "or unroll the loop in Python."
+                f"or unroll the loop in Python{_TRACE_FIRST}."
             )
 
 
+_TRACE_FIRST = (
+    "; with the accumulator outside the tf.function, call the function once before "
+    "opening it (traced outside the accumulator, it is differentiated right)"
+)
 # What TensorFlow's forward mode raises, while tracing, through a graph loop
 # that writes a variable (README, Known limits).
 _FORWARD_MODE_FAILURES = ("without handle data", "<dtype: 'variant'> is not compatible")
 
 
-def _refuse_forward_mode_failure(error: Exception, carried: List[Any]) -> None:
-    """TensorFlow failed to build the loop that writes ``carried`` while a
-    ``ForwardAccumulator`` is open here: its own forward mode through
-    while_v2 (alone, on the resource the body writes through; beside a reverse
-    tape, in the loop's gradient, as in plain TensorFlow). Nothing has run.
-    Raised as a ``ControlFlowWriteError`` that says what to do instead."""
+def _refuse_forward_mode_failure(error: Exception, written: List[Any], what: str) -> None:
+    """TensorFlow failed to build the loop (or cond) that writes ``written``
+    while a ``ForwardAccumulator`` is open here: its own forward mode through
+    while_v2 or cond_v2 (alone, on the resource the body writes through;
+    beside a reverse tape, in the gradient of the loop or cond, as in plain
+    TensorFlow). Nothing has run. Raised as a ``ControlFlowWriteError`` that
+    says what to do instead."""
     found = [text for text in _FORWARD_MODE_FAILURES if text in str(error)]
     if not found:
         return
     if not any(isinstance(ref(), forwardprop.ForwardAccumulator) for ref, _ in _versions.open_plain()):
         return
-    names = ", ".join(repr(v.name) for v in carried)
+    names = ", ".join(sorted({repr(v.name) for v in written})) or "variables"
+    remedy = (
+        "Unroll the loop in Python (range instead of tf.range)"
+        if what == "graph loop"
+        else "Branch in Python, or use assigntape.ForwardAccumulator alone"
+    ) + _TRACE_FIRST
     raise ControlFlowWriteError(
-        f"Forward mode through a graph loop that writes {names}: TensorFlow's own forward mode "
-        f"through the loop failed while tracing ({type(error).__name__}: ...{found[0]}...), "
-        "nothing ran. Unroll the loop in Python "
-        "(range instead of tf.range, or eagerly), or take the gradient in reverse mode."
+        f"Forward mode through a {what} that writes {names}: TensorFlow's own forward mode "
+        f"through it failed while tracing ({type(error).__name__}: ...{found[0]}...), nothing "
+        f"ran. {remedy}, or take the gradient in reverse mode."
     ) from error
 
 
@@ -751,7 +763,7 @@ def _carrying(
             )
         )
     except (TypeError, ValueError) as error:
-        _refuse_forward_mode_failure(error, carried)
+        _refuse_forward_mode_failure(error, carried, "graph loop")
         raise
     for v, value in zip(carried, final):
         _leave(scope, parent, v, value, "tf.while_loop")

@@ -39,6 +39,12 @@ class ControlFlowWriteError(AssignTapeError, NotImplementedError):
     Likewise a write on a tape opened inside a compiled cond branch or loop
     body while a plain ``tf.GradientTape`` or ``ForwardAccumulator`` records
     around that body: make the outer tape an ``AssignAwareTape``.
+
+    Forward mode through compiled control flow where TensorFlow's own forward
+    mode cannot go is refused the same way, while tracing: a graph loop body
+    that reads a variable a ``ForwardAccumulator`` has a tangent for without
+    writing it, and a loop or cond whose forward mode fails in TensorFlow
+    (the message names TensorFlow's error and what to do instead).
     """
 
 

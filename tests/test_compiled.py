@@ -260,3 +260,20 @@ def test_the_graphs_own_gradient_follows_writes_in_control_flow(where):
     with tf.autodiff.ForwardAccumulator(x, tf.constant(1.0, tf.float64)) as acc:
         out = f()[0]
     assert float(acc.jvp(out)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("where", ["cond", "graph loop"])
+def test_a_function_first_traced_under_an_accumulator_with_writes_in_control_flow_is_refused(where):
+    """Traced under an eager accumulator, TensorFlow's own forward mode fails
+    on the cond's or loop's gradient beside the tape (plain TensorFlow too,
+    with a tape watching a cond's input): refused, naming the variable and
+    the way out, which works (the test above)."""
+    x = tf.Variable(1.5, dtype=tf.float64, name="x_read")
+    w = tf.Variable(0.5, dtype=tf.float64, name="w_in_body")
+    f = _writes_in(where, x, w, gradients_inside=False)
+    # (In the loop, x is read without being written: that refusal comes first.)
+    named = "'w_in_body:0'" if where == "cond" else "reads variable 'x_read:0'"
+    with tf.autodiff.ForwardAccumulator(x, tf.constant(1.0, tf.float64)):
+        with pytest.raises(ControlFlowWriteError, match=f"(?s){named}.*call the function once before"):
+            f()
+    assert float(w) == 0.5  # nothing ran
