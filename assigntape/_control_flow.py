@@ -540,6 +540,39 @@ def _identity_backward(grad: Any) -> List[Any]:
     return [grad]
 
 
+# How many AssignAwareTape gradients this thread is computing (``branch_gradient``).
+_differentiating = threading.local()
+
+
+def differentiating(delta: int) -> None:
+    """Counts this thread into (``+1``) or out of (``-1``) an AssignAwareTape's gradient."""
+    _differentiating.depth = getattr(_differentiating, "depth", 0) + delta
+
+
+def branch_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``cond_v2._grad_fn(func_graph, grads)``, the gradient of one branch of a
+    cond or case, given fewer cotangents than the branch has outputs.
+
+    That happens when ``tf.gradients`` went through the cond first: it made the
+    If op output the intermediates its gradient reads, after a tape had recorded
+    the op with the outputs it had then. TensorFlow then fails an assertion; a
+    plain tape does too, with no variable (its own bug, left as it is outside our
+    gradients). Only a gradient reads those extra outputs, never the target, so
+    their cotangents are zero: the branch is differentiated from the outputs the
+    tape saw."""
+    func_graph, grads = bind(_params(wrapped), args, kwargs).values()
+    outputs = func_graph.outputs
+    if len(outputs) <= len(grads) or not getattr(_differentiating, "depth", 0):
+        return wrapped(*args, **kwargs)
+    # ``_grad_fn`` pairs ``func_graph.outputs`` with ``grads`` and reads nothing
+    # else of them; the graph is shown its first outputs only while it does.
+    func_graph.outputs = outputs[: len(grads)]
+    try:
+        return wrapped(func_graph, grads)
+    finally:
+        func_graph.outputs = outputs
+
+
 _pending: List[List[Any]] = []
 
 

@@ -268,6 +268,8 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (cond_v2, "cond_v2", _control_flow.cond),
         (cond_v2, "_build_cond", _control_flow.build_cond),
         (while_v2, "while_loop", _control_flow.while_loop),
+        # A branch's gradient after tf.gradients went through its cond.
+        (cond_v2, "_grad_fn", _control_flow.branch_gradient),
     ]
 
 
@@ -289,10 +291,13 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-# Installed at import and never dormant: plain tapes are followed from their
-# entry whether or not a tape of ours is open then, since one may open inside
-# them (_plain_tapes); and every variable's handle is noted as it is made.
+# Never dormant, and installed at import but for the last: plain tapes are
+# followed from their entry whether or not a tape of ours is open then, since
+# one may open inside them (_plain_tapes); every variable's handle is noted as
+# it is made; and a non-persistent tape asked for its gradient is closed and
+# done, yet its gradient may go through a cond's (_control_flow.branch_gradient).
 _ALWAYS_ON = (
+    _control_flow.branch_gradient,
     _versions.constructed,
     _plain_tapes.enter,
     _plain_tapes.exit,

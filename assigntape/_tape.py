@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import tensorflow as tf
 from assigntape._tf import array_ops, gen_resource_variable_ops, nest, tensor_lib, UnconnectedGradients
 
-from assigntape import _diagnostics, _patches, _plain_tapes, _record, _versions
+from assigntape import _control_flow, _diagnostics, _patches, _plain_tapes, _record, _versions
 from assigntape._errors import NotAVariableError
 
 __all__ = ["AssignAwareTape"]
@@ -339,6 +339,7 @@ class AssignAwareTape(tf.GradientTape):
         done = not self._persistent
         if done:
             self._end_lease()
+        _control_flow.differentiating(1)
         try:
             flat_grads = super().gradient(
                 mapped_target,
@@ -350,6 +351,8 @@ class AssignAwareTape(tf.GradientTape):
             if done and self._tape is not None and self._scope is None:
                 self._start_lease()  # closed, and TensorFlow kept the record: it may be asked again
             raise
+        finally:
+            _control_flow.differentiating(-1)
         if zero:
             flat_grads = [
                 self._zeros_for(raw, mapped) if g is None else g

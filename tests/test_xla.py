@@ -438,3 +438,38 @@ def test_tape_level_indices_known_only_at_run_time_under_xla() -> None:
     grad = f(tf.constant([1, 3, 1])).numpy()
     assert np.isnan(grad[[0, 2]]).all()
     np.testing.assert_allclose(grad[1], 2 * np.asarray(U0)[1])  # the unique index keeps its gradient
+
+
+def _loop_in_a_branch(tape_class: Any, write: bool) -> Callable[[], Any]:
+    v, x = tf.Variable(1.0), tf.Variable(0.5)
+
+    @tf.function(jit_compile=True)
+    def f() -> Any:
+        with tape_class() as tape:
+
+            def branch() -> Any:
+                y = tf.constant(1.0)
+                for _ in tf.range(3):
+                    if write:
+                        v.assign_add(x * v)
+                    else:
+                        y = y * v + x
+                return v.read_value() if write else y
+
+            y = tf.cond(x > 0, branch, lambda: v * 1.0)
+            y = v * 2.0 if write else y
+        return tape.gradient(y, x)
+
+    return f
+
+
+def test_a_differentiated_graph_loop_in_a_branch_does_not_compile_in_tensorflow_either() -> None:
+    """A known limit (README): TensorFlow's XLA bridge cannot compile a graph
+    loop in a cond branch whose gradient goes through a variable the loop
+    carries. The tape's writes in such a loop hit it; so does plain
+    TensorFlow reading a variable in the loop."""
+    for tape_class, write in ((AssignAwareTape, True), (tf.GradientTape, False)):
+        with pytest.raises(tf.errors.UnimplementedError, match="_Retval node's input does not come from _Arg"):
+            _loop_in_a_branch(tape_class, write)()
+    # Without jit_compile the tape's program is right: d(2 v3)/dx = 2 * 3 (1 + x)^2 at v0 = 1.
+    assert float(tf.function(_loop_in_a_branch(AssignAwareTape, True).python_function)()) == pytest.approx(6 * 1.5**2)
