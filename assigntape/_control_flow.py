@@ -531,13 +531,9 @@ def _leave(scope: Any, parent: Any, var: Any, value: Any, what: str) -> None:
         # Connected to the value in the graph too, as a write at the top level
         # is: the graph's own gradient (tf.gradients, and TensorFlow's
         # gradient of a call of the function) follows it.
-        new = symbolic_version(var, old, value, [value], _identity_backward)
-    record.record_operation(what, [new], [value], _identity_backward, forward_function=lambda t: [t])
+        new = symbolic_version(var, old, value, [value], _rules.identity_backward)
+    record.record_operation(what, [new], [value], _rules.identity_backward, forward_function=lambda t: [t])
     scope.advance(var, old, new, _versions.WriteRecord(what))
-
-
-def _identity_backward(grad: Any) -> List[Any]:
-    return [grad]
 
 
 # How many AssignAwareTape gradients this thread is computing (``branch_gradient``).

@@ -44,7 +44,7 @@ from assigntape._errors import DuplicateIndicesError
 
 __all__ = [
     "Write", "Rule", "RULES", "COMBINES", "UNDIFFERENTIABLE_PREFIXES",
-    "REFUSED_WRITES", "NOT_VARIABLE_WRITES", "VERSION_SPECIFIC", "refused", "gather_rows",
+    "REFUSED_WRITES", "NOT_VARIABLE_WRITES", "VERSION_SPECIFIC", "refused", "gather_rows", "identity_backward",
 ]
 
 Args = Dict[str, Any]
@@ -68,6 +68,13 @@ def _dense(g: Any) -> Any:
     if isinstance(g, indexed_slices.IndexedSlices):
         return ops.convert_to_tensor(g)
     return g
+
+
+def identity_backward(g: Any) -> List[Any]:
+    """The backward function of a version that is its value unchanged (a
+    recorded identity). A read through tf.gather gives IndexedSlices; the
+    ops of the write rules want tensors."""
+    return [_dense(g)]
 
 
 def _negate(g: Any) -> Any:

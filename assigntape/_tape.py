@@ -6,10 +6,14 @@ import contextlib
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
-from assigntape._tf import array_ops, gen_resource_variable_ops, nest, tensor_lib, UnconnectedGradients
+from assigntape._tf import array_ops, gen_resource_variable_ops, nest, resource_variable_ops, tensor_lib, UnconnectedGradients
 
 from assigntape import _control_flow, _diagnostics, _patches, _plain_tapes, _record, _versions
 from assigntape._errors import NotAVariableError
+
+# The class of (nearly) every variable: a source of that exact type is asked
+# nothing more (not ``isinstance``: subclasses may wrap another variable).
+_RESOURCE_VARIABLE = resource_variable_ops.ResourceVariable
 
 __all__ = ["AssignAwareTape"]
 
@@ -305,9 +309,15 @@ class AssignAwareTape(tf.GradientTape):
         """
         if target is None:
             return super().gradient(target, sources, output_gradients, unconnected_gradients)
-        simple = type(sources) in (list, tuple) and not any(map(nest.is_nested, sources))
         # A flat list or tuple (of variables and tensors, the usual sources)
-        # needs none of nest's flattening and packing, which cost as much as the rest here.
+        # needs none of nest's flattening and packing, which cost as much as
+        # the rest here; a plain variable is never nested, asked without nest.
+        simple = type(sources) in (list, tuple)
+        if simple:
+            for s in sources:
+                if type(s) is not _RESOURCE_VARIABLE and nest.is_nested(s):
+                    simple = False
+                    break
         flat_sources = list(sources) if simple else nest.flatten(sources)
         mapped_sources: List[Any] = []
         # What TensorFlow is given: the variable itself where ``v.handle`` is
@@ -317,15 +327,21 @@ class AssignAwareTape(tf.GradientTape):
         # a source; else the version.
         plain = not _versions.open_here()
         given: List[Any] = []
-        first_version = self._record.first_version
+        # (``Record.first_version``, inlined: every source asks it.)
+        versions, start = self._record.versions, self._record.start
         for s in flat_sources:
-            var = _versions.gradient_variable(s)
-            if var is None:
-                mapped_sources.append(s)
-                given.append(s)
-                continue
-            own = _versions.canonical_handle(var)
-            version = first_version(var._unique_id, own)
+            if type(s) is _RESOURCE_VARIABLE and "_handle" in s.__dict__:
+                var = s  # the usual case, without resolve()'s questions
+            else:
+                var = _versions.gradient_variable(s)
+                if var is None:
+                    mapped_sources.append(s)
+                    given.append(s)
+                    continue
+            own = var.__dict__["_handle"]  # _versions.canonical_handle(var)
+            uid = var._unique_id
+            written = versions.get(uid)
+            version = start.get(uid, own) if written is None else written[0]
             mapped_sources.append(version)
             given.append(var if plain and version is own else version)
         if isinstance(target, tensor_lib.Tensor):  # the common case, without nest

@@ -19,7 +19,6 @@ from typing import Any, Callable, Dict, List, Sequence
 from assigntape._tf import (
     dtypes,
     gen_resource_variable_ops,
-    indexed_slices,
     ops,
     pywrap_tfe,
     record,
@@ -86,7 +85,7 @@ def tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Cal
         if forward is not None:
             # Forward accumulators: the new version's tangent is the functional
             # value's, whose ops TensorFlow differentiates forward.
-            record.record_operation_forwardprop_only(op_name, [new], [forward], _identity_backward, None)
+            record.record_operation_forwardprop_only(op_name, [new], [forward], _rules.identity_backward, None)
         recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
         scope.advance(var, old, new, _versions.WriteRecord(op_name, recorded=recorded, old_shape=old_shape))
         return result
@@ -182,7 +181,7 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
             new = _versions.new_version(old[name], result)
             if recording:
                 record.record_operation(
-                    op_name, [new], [new_values[name]], _identity_backward, forward_function=lambda t: [t]
+                    op_name, [new], [new_values[name]], _rules.identity_backward, forward_function=lambda t: [t]
                 )
             write = _versions.WriteRecord(op_name, recorded=recording, old_shape=shapes.get(name))
             scope.advance(var, old[name], new, write)
@@ -218,13 +217,6 @@ def _watch(scope: _versions.Scope, var: Any) -> None:
     elif var.trainable:
         pywrap_tfe.TFE_Py_TapeVariableAccessed(var)
         pywrap_tfe.TFE_Py_VariableWatcherVariableAccessed(var)
-
-
-def _identity_backward(g: Any) -> List[Any]:
-    # A read through tf.gather gives IndexedSlices; the form's ops want tensors.
-    if isinstance(g, indexed_slices.IndexedSlices):
-        return [ops.convert_to_tensor(g)]
-    return [g]
 
 
 def _resource_arguments(arguments: Dict[str, Any]) -> List[Any]:
