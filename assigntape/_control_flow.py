@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from assigntape._tf import (
@@ -538,6 +539,10 @@ def _leave(scope: Any, parent: Any, var: Any, value: Any, what: str) -> None:
 
 # How many AssignAwareTape gradients this thread is computing (``branch_gradient``).
 _differentiating = threading.local()
+# The branch graphs whose gradient was built while a tape recorded (by
+# tf.gradients inside a tape, or a tape's gradient inside another tape): the
+# recording tape may hold ops that read the outputs that gradient added.
+_gradient_recorded: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def differentiating(delta: int) -> None:
@@ -547,19 +552,34 @@ def differentiating(delta: int) -> None:
 
 def branch_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``cond_v2._grad_fn(func_graph, grads)``, the gradient of one branch of a
-    cond or case, given fewer cotangents than the branch has outputs.
+    cond, when a tape of ours asks it with fewer cotangents than the branch
+    has outputs.
 
     That happens when ``tf.gradients`` went through the cond first: it made the
     If op output the intermediates its gradient reads, after a tape had recorded
-    the op with the outputs it had then. TensorFlow then fails an assertion; a
-    plain tape does too, with no variable (its own bug, left as it is outside our
-    gradients). Only a gradient reads those extra outputs, never the target, so
-    their cotangents are zero: the branch is differentiated from the outputs the
-    tape saw."""
+    the op with the outputs it had then. TensorFlow then fails an assertion (a
+    plain tape does too, with no variable: its own bug, left as it is outside
+    our gradients). If no tape recorded while that gradient was built, nothing
+    the tape recorded reads the extra outputs, their cotangents are zero, and
+    the branch is differentiated from the outputs the tape saw. If a tape did
+    (second order through ``tf.gradients``), their cotangents are not zero and
+    the tape cannot have them: refused."""
     func_graph, grads = bind(_params(wrapped), args, kwargs).values()
     outputs = func_graph.outputs
+    if record.could_possibly_record() and not pywrap_tfe.TFE_Py_TapeSetIsStopped():
+        _gradient_recorded.add(func_graph)
     if len(outputs) <= len(grads) or not getattr(_differentiating, "depth", 0):
         return wrapped(*args, **kwargs)
+    if func_graph in _gradient_recorded:
+        raise ControlFlowWriteError(
+            f"The tape's gradient goes through the tf.cond {func_graph.name!r} after tf.gradients "
+            "(or another tape's gradient) went through it while a tape recorded: that gradient "
+            "made the cond output intermediates the tape did not record, and TensorFlow cannot "
+            "differentiate the cond from what the tape has (a plain tape fails there too, with an "
+            "AssertionError). For second order, take the inner gradient with a tape "
+            "(an AssignAwareTape inside this one) instead of tf.gradients, or make this tape "
+            "persistent=True."
+        )
     # ``_grad_fn`` pairs ``func_graph.outputs`` with ``grads`` and reads nothing
     # else of them; the graph is shown its first outputs only while it does.
     func_graph.outputs = outputs[: len(grads)]
