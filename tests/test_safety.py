@@ -264,6 +264,23 @@ def test_a_tape_entered_again_lets_another_thread_write_what_only_other_tapes_re
     assert float(tape.gradient(y, x)) == 2.0
 
 
+@pytest.mark.parametrize("entry", ["first", "again"])
+def test_another_threads_write_to_a_variable_the_tape_never_touched_comes_before_its_start(entry):
+    """Semantics 9: allowed, and for the tape the write came before its first
+    read of the variable, whose value is where it starts (entered for the
+    first time, or entered again having touched only other variables)."""
+    v, x = tf.Variable(2.0), tf.Variable(3.0)
+    tape = AssignAwareTape(persistent=True)
+    if entry == "again":
+        with tape:
+            _ = x * 2.0
+    with tape:
+        outcome = _in_thread(lambda: v.assign(5.0))
+        y = v * v * x
+    assert "error" not in outcome and float(y) == 75.0
+    assert [float(g) for g in tape.gradient(y, [v, x])] == [30.0, 25.0]
+
+
 @pytest.mark.parametrize("later", ["plain-tape", "aware-tape"])
 def test_a_kept_assign_result_is_plain_tensorflow_after_the_tape(later):
     """What ``assign_add`` returned inside a tape names its variable's own
