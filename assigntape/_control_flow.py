@@ -50,7 +50,7 @@ from assigntape._tf import (
     variable_utils,
 )
 
-from assigntape import _fused, _rules, _versions
+from assigntape import _fused, _record, _rules, _versions
 from assigntape._errors import ControlFlowWriteError
 from assigntape._wrapping import bind, params_of
 
@@ -472,6 +472,7 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
 
     def traced(fn: Callable[[], Any]) -> Callable[[], Any]:
         def branch_fn() -> Any:
+            _note_builders()
             branch = _open(scope, parent)
             branches.append(branch)
             try:
@@ -490,7 +491,7 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
     try:
         with _entering():
             out, values = wrapped(**arguments)
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, AssertionError) as error:
         _refuse_forward_mode_failure(error, [var for b in branches for var, _ in b.values.values()], "cond")
         raise
     finally:
@@ -539,15 +540,43 @@ def _leave(scope: Any, parent: Any, var: Any, value: Any, what: str) -> None:
 
 # How many AssignAwareTape gradients this thread is computing (``branch_gradient``).
 _differentiating = threading.local()
-# The branch graphs whose gradient was built while a tape recorded (by
-# tf.gradients inside a tape, or a tape's gradient inside another tape): the
-# recording tape may hold ops that read the outputs that gradient added.
-_gradient_recorded: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def differentiating(delta: int) -> None:
     """Counts this thread into (``+1``) or out of (``-1``) an AssignAwareTape's gradient."""
     _differentiating.depth = getattr(_differentiating, "depth", 0) + delta
+
+
+# Branch and body graphs -> the tapes of ours that recorded while they were
+# built, which record the cond or loop op (``_note_gradient``).
+_built_under: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def _note_builders() -> None:
+    """Called as a branch or body is traced, in its graph."""
+    recording = [r for r in _versions.recording_now() if isinstance(r, _record.Record)]
+    _built_under[ops.get_default_graph()] = weakref.WeakSet(recording)
+
+
+def _note_gradient(graph: Any, what: str) -> None:
+    """The gradient of the cond or loop of ``graph`` (a branch or body) is
+    being built. Every tape of ours recording now records the ops of that
+    gradient, which may read outputs the gradient adds to the op: where
+    TensorFlow left the op bare in the graph (it wraps control flow in a
+    function when a persistent tape or more than one could differentiate
+    it), the tape recorded the op with fewer outputs and cannot give those
+    cotangents (a plain tape fails an assertion there, or through a loop is
+    silently wrong). Marked stale, for its ``gradient`` to refuse: each such
+    tape that recorded the op (or every one, for an op not built here)."""
+    if not record.could_possibly_record() or pywrap_tfe.TFE_Py_TapeSetIsStopped():
+        return
+    if "cflow_gradient_wrapper" in getattr(getattr(graph, "outer_graph", None), "name", ""):
+        return
+    recorded_op = _built_under.get(graph)
+    for found in _versions.recording_now():
+        if isinstance(found, _record.Record) and found.stale is None:
+            if recorded_op is None or found in recorded_op:
+                found.stale = f"{what} {graph.name!r}"
 
 
 def branch_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -561,25 +590,13 @@ def branch_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     plain tape does too, with no variable: its own bug, left as it is outside
     our gradients). If no tape recorded while that gradient was built, nothing
     the tape recorded reads the extra outputs, their cotangents are zero, and
-    the branch is differentiated from the outputs the tape saw. If a tape did
-    (second order through ``tf.gradients``), their cotangents are not zero and
-    the tape cannot have them: refused."""
+    the branch is differentiated from the outputs the tape saw. (If our tape
+    recorded then, its ``gradient`` refused before coming here: ``_note_gradient``.)"""
     func_graph, grads = bind(_params(wrapped), args, kwargs).values()
     outputs = func_graph.outputs
-    if record.could_possibly_record() and not pywrap_tfe.TFE_Py_TapeSetIsStopped():
-        _gradient_recorded.add(func_graph)
+    _note_gradient(func_graph, "tf.cond")
     if len(outputs) <= len(grads) or not getattr(_differentiating, "depth", 0):
         return wrapped(*args, **kwargs)
-    if func_graph in _gradient_recorded:
-        raise ControlFlowWriteError(
-            f"The tape's gradient goes through the tf.cond {func_graph.name!r} after tf.gradients "
-            "(or another tape's gradient) went through it while a tape recorded: that gradient "
-            "made the cond output intermediates the tape did not record, and TensorFlow cannot "
-            "differentiate the cond from what the tape has (a plain tape fails there too, with an "
-            "AssertionError). For second order, take the inner gradient with a tape "
-            "(an AssignAwareTape inside this one) instead of tf.gradients, or make this tape "
-            "persistent=True."
-        )
     # ``_grad_fn`` pairs ``func_graph.outputs`` with ``grads`` and reads nothing
     # else of them; the graph is shown its first outputs only while it does.
     func_graph.outputs = outputs[: len(grads)]
@@ -587,6 +604,15 @@ def branch_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
         return wrapped(func_graph, grads)
     finally:
         func_graph.outputs = outputs
+
+
+def loop_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``while_v2._create_grad_func``, called by the gradient of a While op:
+    noted (``_note_gradient``). (TensorFlow gives no cotangent to the outputs
+    an earlier gradient added to the op, which is right unless a tape
+    recorded ops reading them: such a tape of ours refuses.)"""
+    _note_gradient(bind(_params(wrapped), args, kwargs)["body_graph"], "graph loop")
+    return wrapped(*args, **kwargs)
 
 
 _pending: List[List[Any]] = []
@@ -724,6 +750,24 @@ _TRACE_FIRST = (
 _FORWARD_MODE_FAILURES = ("without handle data", "<dtype: 'variant'> is not compatible")
 
 
+def _failed_assertion(error: Exception) -> List[str]:
+    """For an ``AssertionError`` raised in cond_v2 or while_v2 (under XLA, the
+    forward mode of a cond beside a reverse tape fails there, plain TensorFlow
+    too): where, as the text to name; else nothing."""
+    if not isinstance(error, AssertionError):
+        return []
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return []
+    code = tb.tb_frame.f_code
+    module = code.co_filename.rsplit("/", 1)[-1]
+    if module not in ("cond_v2.py", "while_v2.py"):
+        return []
+    return [f"an assertion in {module[:-3]}.{code.co_name}"]
+
+
 def _refuse_forward_mode_failure(error: Exception, written: List[Any], what: str) -> None:
     """TensorFlow failed to build the loop (or cond) that writes ``written``
     while a ``ForwardAccumulator`` is open here: its own forward mode through
@@ -731,7 +775,7 @@ def _refuse_forward_mode_failure(error: Exception, written: List[Any], what: str
     beside a reverse tape, in the gradient of the loop or cond, as in plain
     TensorFlow). Nothing has run. Raised as a ``ControlFlowWriteError`` that
     says what to do instead."""
-    found = [text for text in _FORWARD_MODE_FAILURES if text in str(error)]
+    found = [text for text in _FORWARD_MODE_FAILURES if text in str(error)] or _failed_assertion(error)
     if not found:
         return
     if not any(isinstance(ref(), forwardprop.ForwardAccumulator) for ref, _ in _versions.open_plain()):
@@ -764,6 +808,7 @@ def _carrying(
     if not carried:
         # First attempt: carry nothing, but watch the body for writes.
         def watched_body(*state: Any) -> Any:
+            _note_builders()
             body = _open(scope, parent, [], token)
             try:
                 out = _read_now(user_body(*state))
@@ -783,6 +828,7 @@ def _carrying(
         return user_cond(*state)
 
     def body_fn(state: Any, values: Any) -> Any:
+        _note_builders()
         body = _versions.open_branch(scope, parent, uids, token)
         try:
             for v, value in zip(carried, values):
@@ -811,7 +857,7 @@ def _carrying(
                 return_same_structure=True,
             )
         )
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, AssertionError) as error:
         _refuse_forward_mode_failure(error, carried, "graph loop")
         raise
     for v, value in zip(carried, final):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from assigntape._tf import forwardprop, nest
+from assigntape._tf import forwardprop, nest, pywrap_tfe
 
 from assigntape import _patches, _versions
 from assigntape._tape import AssignAwareTape
@@ -49,7 +49,9 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
     grow with the number of writes: the cheap way to differentiate a final
     loss with respect to a few hyperparameters through a long unroll of
     optimizer steps. A variable primal means its version when the
-    accumulator was created.
+    accumulator was created: a write made while the accumulator is not open
+    (before it is entered, or between two entries) is, for it, a new version
+    with no tangent, as a closed ``AssignAwareTape`` sees it.
 
     Args:
       primals: As for ``tf.autodiff.ForwardAccumulator``: tensors or variables.
@@ -68,12 +70,18 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
 
     def __init__(self, primals: Any, tangents: Any) -> None:
         self._writes: Optional[_ForwardOnlyTape] = None
-        self._ready = False
         # A wrapped variable (a Keras 3 one, ...) is the variable it wraps
         # (TensorFlow's accumulator reads a dtype Keras 3 gives as a string).
         primals = nest.map_structure(_unwrapped, primals)
         super().__init__(primals, tangents)  # enters and exits itself to watch
-        self._ready = True
+        # Entered once now and closed, the internal tape starts from the
+        # versions current at creation and notes every write made while the
+        # accumulator is not open; each entry is then an entry again, which
+        # makes such a write a version with no tangent (as for a tape).
+        writes = _ForwardOnlyTape(watch_accessed_variables=False)
+        writes.__enter__()
+        writes.__exit__(None, None, None)
+        self._writes = writes
 
     def __enter__(self) -> "ForwardAccumulator":
         # Installed before TensorFlow's __enter__ runs, so that its patch
@@ -82,16 +90,44 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
         _patches.acquire()
         _patches.release()
         super().__enter__()
-        if self._ready:
-            self._writes = _ForwardOnlyTape(watch_accessed_variables=False)
-            self._writes.__enter__()
+        if self._writes is not None:  # (not while __init__ watches)
+            try:
+                self._writes.__enter__()
+                self._cut_closed_writes()
+            except BaseException:
+                super().__exit__(None, None, None)
+                raise
         return self
 
-    def __exit__(self, typ: Any, value: Any, traceback: Any) -> None:
-        writes, self._writes = self._writes, None
+    def _cut_closed_writes(self) -> None:
+        """The variables written while this accumulator was not open get
+        their new version now, with this accumulator set aside: for it, a
+        version with no tangent; for the accumulators and tapes open around
+        it, an identity (for them the write came first). The internal tape
+        alone would make it at the first read, where this accumulator would
+        record the identity and keep the tangent."""
+        writes = self._writes
+        scope = None if writes is None else writes._scope
+        if scope is None or not scope.dirty:
+            return
+        record = writes._record
+        pending = [own for own, closed_at_write in list(scope.dirty.values()) if record in closed_at_write]
+        if not pending:
+            return
+        # Set aside and put back on top, where __enter__ put it: the order of
+        # nested accumulators is kept.
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(self._accumulator)
         try:
-            if writes is not None:
-                writes.__exit__(typ, value, traceback)
-                writes._end_lease()  # never entered again: no need to follow writes
+            for own in pending:
+                var = _versions.variable_of_handle(own)
+                if var is not None:
+                    _versions.cut_on_first_read(scope, var, own)
+        finally:
+            pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(self._accumulator)
+
+    def __exit__(self, typ: Any, value: Any, traceback: Any) -> None:
+        try:
+            if self._writes is not None:
+                self._writes.__exit__(typ, value, traceback)
         finally:
             super().__exit__(typ, value, traceback)

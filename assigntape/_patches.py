@@ -268,8 +268,9 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (cond_v2, "cond_v2", _control_flow.cond),
         (cond_v2, "_build_cond", _control_flow.build_cond),
         (while_v2, "while_loop", _control_flow.while_loop),
-        # A branch's gradient after tf.gradients went through its cond.
+        # A cond's or loop's gradient after tf.gradients went through it.
         (cond_v2, "_grad_fn", _control_flow.branch_gradient),
+        (while_v2, "_create_grad_func", _control_flow.loop_gradient),
     ]
 
 
@@ -295,9 +296,11 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
 # followed from their entry whether or not a tape of ours is open then, since
 # one may open inside them (_plain_tapes); every variable's handle is noted as
 # it is made; and a non-persistent tape asked for its gradient is closed and
-# done, yet its gradient may go through a cond's (_control_flow.branch_gradient).
+# done, yet its gradient may go through a cond's or loop's, which must know
+# whether a tape recorded an earlier one (_control_flow.branch_gradient).
 _ALWAYS_ON = (
     _control_flow.branch_gradient,
+    _control_flow.loop_gradient,
     _versions.constructed,
     _plain_tapes.enter,
     _plain_tapes.exit,

@@ -46,6 +46,9 @@ class Record:
       escapes: where a recorded value left TensorFlow (``_diagnostics``).
       written_while_closed: id(a variable's own handle) -> that handle, for
         the writes made while the tape was closed (``_versions``).
+      stale: the name of a cond or loop whose gradient was built while the
+        tape recorded it as a bare op, which that gradient may change under
+        the record (``_control_flow.note_control_flow_gradient``); else None.
     """
 
     def __init__(self, tape: Any, untracked_writes: str = "raise", keeps_history: bool = True) -> None:
@@ -59,6 +62,7 @@ class Record:
         self.writes: Dict[str, List[WriteRecord]] = {}
         self.escapes: List[str] = []
         self.written_while_closed: Dict[int, Any] = {}
+        self.stale: Optional[str] = None
 
     # -- the tape's TensorFlow side --------------------------------------------
 
@@ -139,5 +143,6 @@ class Record:
         self.writes.clear()
         self.escapes.clear()
         self.written_while_closed.clear()
+        self.stale = None
         self.start = dict(current)
         self.start_owners = {uid: owners[id(h)] for uid, h in self.start.items()}

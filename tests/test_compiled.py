@@ -277,9 +277,11 @@ def test_the_tapes_gradient_after_tf_gradients_went_through_the_writes(where, ji
     assert float(by_tape) == pytest.approx(expected) and float(symbolic) == pytest.approx(expected)
 
 
-def _second_order_through_tf_gradients(persistent: bool):
-    """d/dx of tf.gradients(w1 x, x) where a cond branch wrote w1 = w0 x^2:
-    g = 3 w0 x^2, dg/dx = 6 w0 x = 4.5 at w0 = 0.5, x = 1.5."""
+def _second_order_through_tf_gradients(persistent: bool, where: str, target: str):
+    """Through tf.gradients' result, where a cond branch or a graph loop wrote
+    w1 = w0 x^2: g = d(w1 x)/dx = 3 w0 x^2. The tape's gradient of g (a second
+    derivative, 6 w0 x = 4.5 at w0 = 0.5, x = 1.5) or of the gradient penalty
+    w1 x + g^2 / 2 (3 w0 x^2 + 3 w0 x^2 * 6 w0 x = 3.375 + 15.1875)."""
     x, w = tf.constant(1.5, tf.float64), tf.Variable(0.5, dtype=tf.float64)
 
     @tf.function
@@ -287,23 +289,33 @@ def _second_order_through_tf_gradients(persistent: bool):
         w.assign(0.5)
         with AssignAwareTape(persistent=persistent) as tape:
             tape.watch(x)
-            tf.cond(x > 0, lambda: w.assign(w * x * x).read_value(), lambda: w.read_value())
-            g = tf.gradients(w * x, x)[0]
-        return g, tape.gradient(g, x)
+            if where == "cond":
+                tf.cond(x > 0, lambda: w.assign(w * x * x).read_value(), lambda: w.read_value())
+            else:
+                for _ in tf.range(1):
+                    w.assign(w * x * x)
+            out = w * x
+            g = tf.gradients(out, x)[0]
+            loss = g if target == "second derivative" else out + 0.5 * g**2
+        return tape.gradient(loss, x)
 
     return f
 
 
-def test_second_order_through_tf_gradients_in_a_tape_is_refused_or_right():
-    """tf.gradients inside the tape recorded ops that read the outputs it added
-    to the If op; the tape has no cotangents for them. (Adversarial finding:
-    given zeros, the second derivative was 3.75 where it is 4.5; a plain tape
-    fails there with TensorFlow's AssertionError.) Refused, naming the way out,
-    which is right: a persistent tape, or a tape inside the tape."""
+@pytest.mark.parametrize("target", ["second derivative", "gradient penalty"])
+@pytest.mark.parametrize("where", ["cond", "graph loop"])
+def test_second_order_through_tf_gradients_in_a_tape_is_refused_or_right(where, target):
+    """tf.gradients inside a non-persistent tape recorded ops that read the
+    outputs it added to the If or While op; the tape recorded the op without
+    them. (Adversarial finding: given zeros, the second derivative was 3.75
+    where it is 4.5; a plain tape fails there with TensorFlow's
+    AssertionError through a cond and is silently wrong through a loop.)
+    Refused, naming the way out, which is right: a persistent tape, or a tape
+    inside the tape."""
+    expected = 4.5 if target == "second derivative" else 3.375 + 15.1875
     with pytest.raises(ControlFlowWriteError, match="(?s)tf.gradients.*persistent=True"):
-        _second_order_through_tf_gradients(persistent=False)()
-    g, h = _second_order_through_tf_gradients(persistent=True)()
-    assert float(g) == pytest.approx(3.375) and float(h) == pytest.approx(4.5)
+        _second_order_through_tf_gradients(False, where, target)()
+    assert float(_second_order_through_tf_gradients(True, where, target)()) == pytest.approx(expected)
     x, w = tf.constant(1.5, tf.float64), tf.Variable(0.5, dtype=tf.float64)
 
     @tf.function
@@ -317,10 +329,57 @@ def test_second_order_through_tf_gradients_in_a_tape_is_refused_or_right():
                 out = w * x
             tf.gradients(out, x)  # through the cond too, recorded by the outer tape
             g = inner.gradient(out, x)
-        return g, outer.gradient(g, x)
+            loss = g if target == "second derivative" else out + 0.5 * g**2
+        return outer.gradient(loss, x)
 
-    g, h = nested()
-    assert float(g) == pytest.approx(3.375) and float(h) == pytest.approx(4.5)
+    assert float(nested()) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_hessian_vector_product_through_tf_gradients_and_a_cond_branch_write(persistent):
+    """An adversary's program that got past a first check made where the cond's
+    gradient is built (the tape's gradient went through the gradient If op
+    only, and was wrong): refused whatever the path; a persistent tape equals
+    the rewrite differentiated by tf.gradients twice."""
+    w0, u0, x = np.array([0.3, -0.7, 1.1, 0.5]), 0.8, tf.constant([1.3, -0.4], tf.float64)
+    c = tf.constant([0.3, -0.8], tf.float64)
+    w, u = tf.Variable(w0), tf.Variable(u0, dtype=tf.float64)
+
+    def program(read, write_u):
+        tf.cond(
+            x[0] > 0,
+            lambda: write_u(read("u") * x[0] * tf.reduce_sum(read("w"))),
+            lambda: write_u(read("u") + x[1]),
+        )
+        return read("u") * tf.reduce_sum(read("w") * read("w"))
+
+    @tf.function
+    def ours():
+        w.assign(w0), u.assign(u0)
+        with AssignAwareTape(persistent=persistent) as tape:
+            tape.watch(x)
+            out = program(lambda name: {"w": w, "u": u}[name] * 1.0, lambda value: u.assign(value).read_value())
+            g = tf.gradients(out, x)[0]
+            loss = tf.reduce_sum(g * c)
+        return tape.gradient(loss, [x, w, u], unconnected_gradients="zero")
+
+    @tf.function
+    def rewrite():
+        state = {"w": tf.constant(w0), "u": tf.constant(u0, tf.float64)}
+        start = dict(state)
+        state["u"] = tf.cond(
+            x[0] > 0, lambda: start["u"] * x[0] * tf.reduce_sum(start["w"]), lambda: start["u"] + x[1]
+        )
+        out = state["u"] * tf.reduce_sum(state["w"] * state["w"])
+        loss = tf.reduce_sum(tf.gradients(out, x)[0] * c)
+        return tf.gradients(loss, [x, start["w"], start["u"]], unconnected_gradients="zero")
+
+    if not persistent:
+        with pytest.raises(ControlFlowWriteError, match="persistent=True"):
+            ours()
+        return
+    for got, want in zip(ours(), rewrite()):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-10, atol=1e-12)
 
 
 def test_a_plain_tape_after_tf_gradients_through_a_cond_still_fails_as_in_tensorflow():
