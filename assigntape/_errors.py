@@ -44,10 +44,11 @@ class ControlFlowWriteError(AssignTapeError, NotImplementedError):
     mode cannot go is refused the same way, while tracing: a graph loop body
     that reads a variable a ``ForwardAccumulator`` has a tangent for without
     writing it, and a loop or cond whose forward mode fails in TensorFlow
-    (the message names TensorFlow's error and what to do instead). So is a
-    tape's gradient through a cond that ``tf.gradients`` differentiated while
-    a tape recorded (second order through ``tf.gradients``, which the tape
-    cannot see whole: a persistent tape, or a tape inside the tape, can).
+    (the message names TensorFlow's error and what to do instead). So is the
+    gradient of a non-persistent tape that recorded a cond or loop and was
+    recording while ``tf.gradients`` (or another tape's gradient) went
+    through it: second order through ``tf.gradients``, which the tape cannot
+    see whole (a persistent tape, or a tape inside the tape, can).
     """
 
 

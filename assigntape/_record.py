@@ -48,7 +48,7 @@ class Record:
         the writes made while the tape was closed (``_versions``).
       stale: the name of a cond or loop whose gradient was built while the
         tape recorded it as a bare op, which that gradient may change under
-        the record (``_control_flow.note_control_flow_gradient``); else None.
+        the record (``_control_flow._note_gradient``); else None.
     """
 
     def __init__(self, tape: Any, untracked_writes: str = "raise", keeps_history: bool = True) -> None:
