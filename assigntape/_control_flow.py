@@ -472,7 +472,6 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
 
     def traced(fn: Callable[[], Any]) -> Callable[[], Any]:
         def branch_fn() -> Any:
-            _note_builders()
             branch = _open(scope, parent)
             branches.append(branch)
             try:
@@ -491,6 +490,7 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
     try:
         with _entering():
             out, values = wrapped(**arguments)
+        _note_recorders((out, values), [b.graph for b in branches])
     except (TypeError, ValueError, AssertionError) as error:
         _refuse_forward_mode_failure(error, [var for b in branches for var, _ in b.values.values()], "cond")
         raise
@@ -547,36 +547,95 @@ def differentiating(delta: int) -> None:
     _differentiating.depth = getattr(_differentiating, "depth", 0) + delta
 
 
-# Branch and body graphs -> the tapes of ours that recorded while they were
-# built, which record the cond or loop op (``_note_gradient``).
+# Branch and body graphs of the conds and loops built through ``cond`` and
+# ``while_loop`` -> the non-persistent tapes of ours that recorded the op bare
+# in their graph (``_note_recorders``, read by ``_note_gradient``).
 _built_under: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
+_CONTROL_OPS = ("If", "StatelessIf", "While", "StatelessWhile")
 
-def _note_builders() -> None:
-    """Called as a branch or body is traced, in its graph."""
-    recording = [r for r in _versions.recording_now() if isinstance(r, _record.Record)]
-    _built_under[ops.get_default_graph()] = weakref.WeakSet(recording)
+
+def _control_op(tensors: Any) -> Any:
+    """The If or While op that produced ``tensors`` (directly or through the
+    identities cond_v2 and while_v2 put after it), or None (TensorFlow wrapped
+    it in a function call, or there are no outputs)."""
+    for t in nest.flatten(tensors, expand_composites=True):
+        op = getattr(t, "op", None)
+        if op is None:
+            continue
+        if op.type in _CONTROL_OPS:
+            return op
+        if op.type == "Identity" and op.inputs and op.inputs[0].op.type in _CONTROL_OPS:
+            return op.inputs[0].op
+    return None
+
+
+@contextlib.contextmanager
+def _paused(recorder: Any) -> Iterator[None]:
+    if isinstance(recorder, _record.Record):
+        recorder.pause()
+        try:
+            yield
+        finally:
+            recorder.resume()
+    else:
+        recorder._pop_tape()
+        try:
+            yield
+        finally:
+            recorder._push_tape()
+
+
+def _records_alone(recorder: Any, others: List[Any], inputs: List[Any]) -> bool:
+    """Whether ``recorder`` alone records an op of ``inputs`` (the others set aside)."""
+    with contextlib.ExitStack() as stack:
+        for other in others:
+            stack.enter_context(_paused(other))
+        return bool(pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop(inputs))
+
+
+def _note_recorders(tensors: Any, graphs: List[Any]) -> None:
+    """A cond or loop was built, with branch or body ``graphs``: which
+    non-persistent tapes of ours recorded its op bare (TensorFlow wraps it in
+    a function when a persistent tape or more than one could differentiate
+    it; a tape differentiates such a call whole)."""
+    op = _control_op(tensors)
+    recorded: List[Any] = []
+    if op is not None and not pywrap_tfe.TFE_Py_TapeSetIsStopped():
+        inputs = list(op.inputs)
+        recorders = [r for r in _versions.recording_now() if not isinstance(r, forwardprop.ForwardAccumulator)]
+        ours = [r for r in recorders if isinstance(r, _record.Record) and not getattr(r.tape, "_persistent", True)]
+        if ours and pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop(inputs):
+            recorded = [r for r in ours if _records_alone(r, [o for o in recorders if o is not r], inputs)]
+    for graph in graphs:
+        _built_under[graph] = weakref.WeakSet(recorded)
 
 
 def _note_gradient(graph: Any, what: str) -> None:
     """The gradient of the cond or loop of ``graph`` (a branch or body) is
-    being built. Every tape of ours recording now records the ops of that
-    gradient, which may read outputs the gradient adds to the op: where
-    TensorFlow left the op bare in the graph (it wraps control flow in a
-    function when a persistent tape or more than one could differentiate
-    it), the tape recorded the op with fewer outputs and cannot give those
-    cotangents (a plain tape fails an assertion there, or through a loop is
-    silently wrong). Marked stale, for its ``gradient`` to refuse: each such
-    tape that recorded the op (or every one, for an op not built here)."""
+    being built. A tape that recorded the op bare and records now records the
+    ops of that gradient, which may read outputs the gradient adds to the op
+    after the tape recorded it: the tape cannot give those cotangents (a plain
+    tape fails an assertion there, or through a loop is silently wrong).
+    Marked stale, for its ``gradient`` to refuse. (A cond or loop not built
+    through ``cond`` or ``while_loop``, a ``tf.switch_case``: every
+    non-persistent tape of ours recording in the graph of its op.)"""
     if not record.could_possibly_record() or pywrap_tfe.TFE_Py_TapeSetIsStopped():
         return
-    if "cflow_gradient_wrapper" in getattr(getattr(graph, "outer_graph", None), "name", ""):
-        return
     recorded_op = _built_under.get(graph)
+    if recorded_op is not None and not len(recorded_op):
+        return
+    op_graph = getattr(graph, "outer_graph", None)
     for found in _versions.recording_now():
-        if isinstance(found, _record.Record) and found.stale is None:
-            if recorded_op is None or found in recorded_op:
-                found.stale = f"{what} {graph.name!r}"
+        if not isinstance(found, _record.Record) or found.stale is not None:
+            continue
+        if recorded_op is not None:
+            mark = found in recorded_op
+        else:
+            scope = getattr(found.tape, "_scope", None)
+            mark = not getattr(found.tape, "_persistent", True) and scope is not None and scope.key is op_graph
+        if mark:
+            found.stale = f"{what} {graph.name!r}"
 
 
 def branch_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -805,10 +864,11 @@ def _carrying(
     namedtuples, dicts, attrs classes, nested), with its shape invariants."""
     loop_vars = arguments["loop_vars"]
     user_cond, user_body = arguments["cond"], arguments["body"]
+    bodies: List[Any] = []  # the body's graphs (TensorFlow may trace it more than once)
     if not carried:
         # First attempt: carry nothing, but watch the body for writes.
         def watched_body(*state: Any) -> Any:
-            _note_builders()
+            bodies.append(ops.get_default_graph())
             body = _open(scope, parent, [], token)
             try:
                 out = _read_now(user_body(*state))
@@ -817,7 +877,9 @@ def _carrying(
             finally:
                 _versions.close_branch(body)
 
-        return wrapped(**dict(arguments, body=watched_body))
+        result = wrapped(**dict(arguments, body=watched_body))
+        _note_recorders(result, bodies)
+        return result
     uids = [v._unique_id for v in carried]
     outer = [_versions.version_in(scope, parent, v) for v in carried]
     start = tuple(gen_resource_variable_ops.read_variable_op(h, v.dtype) for h, v in zip(outer, carried))
@@ -828,7 +890,7 @@ def _carrying(
         return user_cond(*state)
 
     def body_fn(state: Any, values: Any) -> Any:
-        _note_builders()
+        bodies.append(ops.get_default_graph())
         body = _versions.open_branch(scope, parent, uids, token)
         try:
             for v, value in zip(carried, values):
@@ -860,6 +922,7 @@ def _carrying(
     except (TypeError, ValueError, AssertionError) as error:
         _refuse_forward_mode_failure(error, carried, "graph loop")
         raise
+    _note_recorders((result, final), bodies)
     for v, value in zip(carried, final):
         _leave(scope, parent, v, value, "tf.while_loop")
     if arguments.get("return_same_structure", True):
