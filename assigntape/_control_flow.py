@@ -491,6 +491,7 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
         with _entering():
             out, values = wrapped(**arguments)
         _note_recorders((out, values), [b.graph for b in branches])
+        _refuse_xla_forward_mode(_control_op((out, values)), branches)
     except (TypeError, ValueError, AssertionError) as error:
         _refuse_forward_mode_failure(error, [var for b in branches for var, _ in b.values.values()], "cond")
         raise
@@ -807,6 +808,34 @@ _TRACE_FIRST = (
 # What TensorFlow's forward mode raises, while tracing, through a graph loop
 # that writes a variable (README, Known limits).
 _FORWARD_MODE_FAILURES = ("without handle data", "<dtype: 'variant'> is not compatible")
+
+
+def _refuse_xla_forward_mode(op: Any, branches: List[Any]) -> None:
+    """Under XLA, a cond whose inputs carry tangents for an open accumulator
+    and whose branches capture a variable's resource: TensorFlow's forward
+    mode through it does not compile (XLA's ``InvalidArgumentError``,
+    "branch_shape", when the function runs; plain TensorFlow too). Refused
+    while tracing instead, naming the variables."""
+    if op is None or not control_flow_util.GraphOrParentsInXlaContext(op.graph):
+        return
+    if not any(
+        isinstance(ref(), forwardprop.ForwardAccumulator) and getattr(ref(), "_recording", False)
+        for ref, _ in _versions.open_plain()
+    ):
+        return
+    _, tangents = pywrap_tfe.TFE_Py_PackJVPs(list(op.inputs))
+    if not tangents:
+        return
+    captured = [t for b in branches for t in b.graph.external_captures if t.dtype == dtypes.resource]
+    if not captured:
+        return
+    names = sorted({repr(var.name) for b in branches for var, _ in b.values.values()}) or ["a variable"]
+    raise ControlFlowWriteError(
+        f"Forward mode through a tf.cond that reads or writes {', '.join(names)} under jit_compile: "
+        "TensorFlow's forward mode through a cond that captures a variable does not compile in XLA "
+        "(InvalidArgumentError when the function runs, plain TensorFlow too), nothing ran. Compile "
+        "without jit_compile, branch in Python, or take the gradient in reverse mode."
+    )
 
 
 def _failed_assertion(error: Exception) -> List[str]:

@@ -681,11 +681,15 @@ def test_a_cond_write_under_tensorflows_accumulator_in_a_function_is_refused(arr
         tf.function(_cond_under_an_accumulator(arrangement, x, u), jit_compile=jit)()
 
 
-def test_under_xla_an_accumulator_through_a_cond_reading_a_variable_fails_in_tensorflow() -> None:
-    """A known limit (README): under jit_compile, a ForwardAccumulator through a
-    tf.cond that reads a variable fails in XLA, with or without assigntape;
-    the same uncompiled is right, and so is a cond over tensors under XLA."""
-    x, u = tf.constant(1.5, tf.float64), tf.Variable(0.5, dtype=tf.float64)
+def test_under_xla_an_accumulator_through_a_cond_reading_a_variable_is_refused() -> None:
+    """A known limit (README): under jit_compile, TensorFlow's forward mode
+    through a tf.cond that captures a variable does not compile in XLA
+    (InvalidArgumentError when the function runs; plain TensorFlow below,
+    with no tape of ours). With a tape of ours, assigntape.ForwardAccumulator's
+    included, refused while tracing (adversarial finding: it came through as
+    XLA's error). The same uncompiled is right, and so is a cond over
+    tensors under XLA."""
+    x, u = tf.constant(1.5, tf.float64), tf.Variable(0.5, dtype=tf.float64, name="u_in_branch")
     one = tf.constant(1.0, tf.float64)
 
     def plain(read: Callable[[], Any]) -> Callable[[], Any]:
@@ -696,17 +700,27 @@ def test_under_xla_an_accumulator_through_a_cond_reading_a_variable_fails_in_ten
 
         return f
 
-    def ours() -> Any:
-        u.assign(0.5)
-        with assigntape.ForwardAccumulator(x, one) as acc:
-            tf.cond(x > 0, lambda: u.assign(u * x * x).read_value(), lambda: u * 1.0)
-            y = u * x
-        return acc.jvp(y)
+    def ours(write: bool) -> Callable[[], Any]:
+        def f() -> Any:
+            u.assign(0.5)
+            with assigntape.ForwardAccumulator(x, one) as acc:
+                if write:
+                    tf.cond(x > 0, lambda: u.assign(u * x * x).read_value(), lambda: u * 1.0)
+                    y = u * x
+                else:
+                    y = tf.cond(x > 0, lambda: u * x * x, lambda: u * 1.0) * x
+            return acc.jvp(y)
 
-    for f in (plain(lambda: u * 1.0), ours):
-        with pytest.raises(tf.errors.InvalidArgumentError, match="branch_shape"):
-            tf.function(f, jit_compile=True)()
-        assert float(tf.function(f)()) == pytest.approx(3 * 0.5 * 1.5**2)
+        return f
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="branch_shape"):
+        tf.function(plain(lambda: u * 1.0), jit_compile=True)()
+    assert float(tf.function(plain(lambda: u * 1.0))()) == pytest.approx(3 * 0.5 * 1.5**2)
+    for write in (False, True):
+        with pytest.raises(assigntape.ControlFlowWriteError, match="jit_compile"):
+            tf.function(ours(write), jit_compile=True)()
+        assert float(u) == 0.5  # nothing ran
+        assert float(tf.function(ours(write))()) == pytest.approx(3 * 0.5 * 1.5**2)
     assert float(tf.function(plain(lambda: tf.constant(0.5, tf.float64)), jit_compile=True)()) == pytest.approx(3.375)
 
 
@@ -752,3 +766,35 @@ def test_accumulators_around_the_assign_aware_one_keep_what_they_saw():
             y = w * 2.0
     assert float(y) == 12.0 and float(outer.jvp(y)) == 4.0
     assert float(inner.jvp(y, unconnected_gradients="zero")) == 0.0
+
+
+@pytest.mark.parametrize("options", ["momentum", "gradient accumulation"])
+def test_forward_hypergradient_through_keras_sgd_under_xla(options):
+    """Momentum: the same jvp compiled with XLA as without. Gradient
+    accumulation steps through a tf.cond that reads the optimizer's
+    variables: refused under XLA (TensorFlow's own limit, above)."""
+    w = tf.Variable([[0.3], [-0.2]])
+    x, y = tf.constant([[1.0, 2.0], [0.5, -1.0]]), tf.constant([[1.0], [0.0]])
+    kwargs = {"momentum": 0.9} if options == "momentum" else {"gradient_accumulation_steps": 2}
+
+    def run(jit: bool) -> Any:
+        opt = keras.optimizers.SGD(learning_rate=0.1, **kwargs)
+        opt.build([w])
+
+        def f() -> Any:
+            w.assign([[0.3], [-0.2]])
+            with assigntape.ForwardAccumulator(opt.learning_rate, tf.constant(1.0)) as acc:
+                for _ in range(3):
+                    with tf.GradientTape() as tape:
+                        loss = tf.reduce_mean((x @ w - y) ** 2)
+                    opt.apply_gradients([(tape.gradient(loss, w), w)])
+                final = tf.reduce_mean((x @ w - y) ** 2)
+            return acc.jvp(final)
+
+        return float(tf.function(f, jit_compile=jit)())
+
+    if options == "momentum":
+        assert run(True) == pytest.approx(run(False), rel=1e-5)
+    else:
+        with pytest.raises(assigntape.ControlFlowWriteError, match="jit_compile"):
+            run(True)
