@@ -810,6 +810,11 @@ _TRACE_FIRST = (
 _FORWARD_MODE_FAILURES = ("without handle data", "<dtype: 'variant'> is not compatible")
 
 
+def _accumulator_recording() -> bool:
+    """Whether a forward accumulator (TensorFlow's or ours) records in this thread."""
+    return any(isinstance(r, forwardprop.ForwardAccumulator) for r in _versions.recording_now())
+
+
 def _refuse_xla_forward_mode(op: Any, branches: List[Any]) -> None:
     """Under XLA, a cond whose inputs carry tangents for an open accumulator
     and whose branches capture a variable's resource: TensorFlow's forward
@@ -818,10 +823,7 @@ def _refuse_xla_forward_mode(op: Any, branches: List[Any]) -> None:
     while tracing instead, naming the variables."""
     if op is None or not control_flow_util.GraphOrParentsInXlaContext(op.graph):
         return
-    if not any(
-        isinstance(ref(), forwardprop.ForwardAccumulator) and getattr(ref(), "_recording", False)
-        for ref, _ in _versions.open_plain()
-    ):
+    if not _accumulator_recording():
         return
     _, tangents = pywrap_tfe.TFE_Py_PackJVPs(list(op.inputs))
     if not tangents:
@@ -866,7 +868,7 @@ def _refuse_forward_mode_failure(error: Exception, written: List[Any], what: str
     found = [text for text in _FORWARD_MODE_FAILURES if text in str(error)] or _failed_assertion(error)
     if not found:
         return
-    if not any(isinstance(ref(), forwardprop.ForwardAccumulator) for ref, _ in _versions.open_plain()):
+    if not _accumulator_recording():
         return
     names = ", ".join(sorted({repr(v.name) for v in written})) or "variables"
     remedy = (
