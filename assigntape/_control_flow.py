@@ -34,6 +34,7 @@ from assigntape._tf import (
     auto_control_deps,
     composite_tensor,
     control_flow_util,
+    default_gradient,
     dtypes,
     eager_tape,
     forwardprop,
@@ -503,6 +504,26 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
     return out
 
 
+def indexed_case(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``cond_v2.indexed_case`` (``tf.switch_case``): its op noted for the tapes
+    that record it bare (``_note_recorders``). (Writes in its branches are not
+    followed, as before.)"""
+    arguments = bind(("branch_index", "branch_fns", "name", "lower_using_switch_merge"), args, kwargs)
+    graphs: List[Any] = []
+
+    def traced(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def branch_fn() -> Any:
+            graphs.append(ops.get_default_graph())
+            return fn()
+
+        return branch_fn
+
+    arguments["branch_fns"] = [traced(fn) for fn in arguments["branch_fns"]]
+    out = wrapped(**arguments)
+    _note_recorders(out, graphs)
+    return out
+
+
 def write_around(scope: Any, around: Any, variables: List[Any], write: Callable[[], Any], what: str) -> Any:
     """A write by a tape (``scope``) opened inside another tape's cond branch
     or loop body (``around``): ``write()`` makes it that body's (so that it
@@ -548,14 +569,14 @@ def differentiating(delta: int) -> None:
     _differentiating.depth = getattr(_differentiating, "depth", 0) + delta
 
 
-# Branch and body graphs of the conds and loops built through ``cond`` and
-# ``while_loop`` -> the non-persistent tapes of ours that recorded the op bare
-# in their graph (``_note_recorders``, read by ``_note_gradient``).
+# Branch and body graphs of the conds, cases and loops built through ``cond``,
+# ``indexed_case`` and ``while_loop`` -> (a weak reference to the op, its number
+# of outputs then, the non-persistent tapes of ours that recorded it bare):
+# ``_note_recorders``, read by ``_note_gradient``.
 _built_under: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
-_CONTROL_OPS = ("If", "StatelessIf", "While", "StatelessWhile")
-
-
+_CONTROL_OPS = ("If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase")
+_OP_KINDS = {"While": "graph loop", "StatelessWhile": "graph loop", "Case": "tf.switch_case", "StatelessCase": "tf.switch_case"}
 def _control_op(tensors: Any) -> Any:
     """The If or While op that produced ``tensors`` (directly or through the
     identities cond_v2 and while_v2 put after it), or None (TensorFlow wrapped
@@ -596,47 +617,98 @@ def _records_alone(recorder: Any, others: List[Any], inputs: List[Any]) -> bool:
 
 
 def _note_recorders(tensors: Any, graphs: List[Any]) -> None:
-    """A cond or loop was built, with branch or body ``graphs``: which
+    """A cond, case or loop was built, with branch or body ``graphs``: which
     non-persistent tapes of ours recorded its op bare (TensorFlow wraps it in
     a function when a persistent tape or more than one could differentiate
     it; a tape differentiates such a call whole)."""
     op = _control_op(tensors)
-    recorded: List[Any] = []
-    if op is not None and not pywrap_tfe.TFE_Py_TapeSetIsStopped():
-        inputs = list(op.inputs)
-        recorders = [r for r in _versions.recording_now() if not isinstance(r, forwardprop.ForwardAccumulator)]
-        ours = [r for r in recorders if isinstance(r, _record.Record) and not getattr(r.tape, "_persistent", True)]
-        if ours and pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop(inputs):
-            recorded = [r for r in ours if _records_alone(r, [o for o in recorders if o is not r], inputs)]
-    for graph in graphs:
-        _built_under[graph] = weakref.WeakSet(recorded)
+    if op is None or pywrap_tfe.TFE_Py_TapeSetIsStopped():
+        return
+    inputs = list(op.inputs)
+    recorders = [r for r in _versions.recording_now() if not isinstance(r, forwardprop.ForwardAccumulator)]
+    ours = [r for r in recorders if isinstance(r, _record.Record) and not getattr(r.tape, "_persistent", True)]
+    if not ours or not pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop(inputs):
+        return
+    recorded = [r for r in ours if _records_alone(r, [o for o in recorders if o is not r], inputs)]
+    if recorded:
+        # (A weak reference to the op: a value of _built_under must not keep its key.)
+        noted = (weakref.ref(op), len(op.outputs), weakref.WeakSet(recorded))
+        for graph in graphs:
+            _built_under[graph] = noted
 
 
-def _note_gradient(graph: Any, what: str) -> None:
-    """The gradient of the cond or loop of ``graph`` (a branch or body) is
-    being built. A tape that recorded the op bare and records now records the
-    ops of that gradient, which may read outputs the gradient adds to the op
-    after the tape recorded it: the tape cannot give those cotangents (a plain
-    tape fails an assertion there, or through a loop is silently wrong).
-    Marked stale, for its ``gradient`` to refuse. (A cond or loop not built
-    through ``cond`` or ``while_loop``, a ``tf.switch_case``: every
-    non-persistent tape of ours recording in the graph of its op.)"""
-    if not record.could_possibly_record() or pywrap_tfe.TFE_Py_TapeSetIsStopped():
+def _note_gradient(graph: Any) -> None:
+    """The gradient of the cond, case or loop of ``graph`` (a branch or body)
+    is being built. A tape that recorded the op bare and records now records
+    the ops of that gradient, which may read outputs the gradient adds to the
+    op after the tape recorded it, which the tape has no record of (a plain
+    tape fails an assertion there, or is silently wrong). The op is noted on
+    the tape's record, for ``complete_record``. (An op no tape of ours
+    recorded bare is not noted: built before the tape, or inside a function
+    TensorFlow wrapped it in.)"""
+    noted = _built_under.get(graph)
+    if noted is None or not record.could_possibly_record() or pywrap_tfe.TFE_Py_TapeSetIsStopped():
         return
-    recorded_op = _built_under.get(graph)
-    if recorded_op is not None and not len(recorded_op):
-        return
-    op_graph = getattr(graph, "outer_graph", None)
+    op_ref, count, recorded = noted
     for found in _versions.recording_now():
-        if not isinstance(found, _record.Record) or found.stale is not None:
+        if found in recorded:
+            found.suspects.setdefault(id(op_ref), (op_ref, count))
+
+
+def complete_record(found: Any) -> None:
+    """Before ``found`` (a tape's record) is differentiated: the conds, cases
+    and loops it recorded bare in this graph whose gradient, built while it
+    recorded, made the op output more than it did when recorded.
+
+    The tape has no record of those outputs, which the gradient ops it
+    recorded read: a plain tape drops their cotangents (silently wrong where
+    they depend on what it differentiates: a branch's ``sin(x) * x`` outputs
+    ``sin(x)``) or fails an assertion. They are recorded now, on this tape
+    alone, as made from the op's inputs by the op, with the op's own gradient
+    (zero cotangents for the other outputs); the gradient through the op is
+    then the sum of the two records', which is the op's gradient. A loop's
+    gradient gives no cotangent to the outputs an earlier gradient added, so
+    for a loop that record refuses, if the tape's gradient reaches it.
+    """
+    graph = ops.get_default_graph()
+    for key, (op_ref, count) in list(found.suspects.items()):
+        op = op_ref()
+        if op is None or op.graph is not graph or len(op.outputs) <= count:
             continue
-        if recorded_op is not None:
-            mark = found in recorded_op
-        else:
-            scope = getattr(found.tape, "_scope", None)
-            mark = not getattr(found.tape, "_persistent", True) and scope is not None and scope.key is op_graph
-        if mark:
-            found.stale = f"{what} {graph.name!r}"
+        found.suspects[key] = (op_ref, len(op.outputs))
+        _record_outputs(found, op, count, len(op.outputs))
+
+
+def _record_outputs(found: Any, op: Any, start: int, stop: int) -> None:
+    """Records ``op.outputs[start:stop]`` on the tape of ``found`` alone."""
+    added = op.outputs[start:stop]
+
+    def backward(*grads: Any) -> Any:
+        if op.type in ("While", "StatelessWhile"):
+            raise ControlFlowWriteError(
+                f"tf.gradients (or another tape's gradient) went through the graph loop {op.name!r} "
+                "while this tape recorded, and this tape's gradient goes through what it computed, as "
+                "for a second derivative or a gradient penalty. TensorFlow made the loop output "
+                "intermediates after the tape recorded it, and its loop gradient gives them no "
+                "cotangent (a plain tf.GradientTape is silently wrong here). Make this tape "
+                "persistent=True, or take the inner gradient with a tape inside this one instead "
+                "of tf.gradients."
+            )
+        outputs = op.outputs
+        cotangents = [default_gradient.zeros_like(t) for t in outputs[:start]]
+        cotangents += [default_gradient.zeros_like(t) if g is None else g for t, g in zip(added, grads)]
+        cotangents += [default_gradient.zeros_like(t) for t in outputs[stop:]]
+        return ops.get_gradient_function(op)(op, *cotangents)
+
+    tape = found.tape
+    others = [r for r in _versions.recording_now() if r is not found and not isinstance(r, forwardprop.ForwardAccumulator)]
+    with contextlib.ExitStack() as stack:
+        for other in others:
+            stack.enter_context(_paused(other))
+        if not found.recording():
+            tape._push_tape()
+            stack.callback(tape._pop_tape)
+        record.record_operation_backprop_only(op.type, added, list(op.inputs), backward)
 
 
 def branch_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -648,13 +720,13 @@ def branch_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     If op output the intermediates its gradient reads, after a tape had recorded
     the op with the outputs it had then. TensorFlow then fails an assertion (a
     plain tape does too, with no variable: its own bug, left as it is outside
-    our gradients). If no tape recorded while that gradient was built, nothing
-    the tape recorded reads the extra outputs, their cotangents are zero, and
-    the branch is differentiated from the outputs the tape saw. (If our tape
-    recorded then, its ``gradient`` refused before coming here: ``_note_gradient``.)"""
+    our gradients). The branch is differentiated from the outputs the tape saw,
+    with zero cotangents for the extra ones: the cotangents they do get, if the
+    tape recorded ops reading them, flow through a record of their own
+    (``complete_record``), and the op's gradient is the sum of the two.)"""
     func_graph, grads = bind(_params(wrapped), args, kwargs).values()
     outputs = func_graph.outputs
-    _note_gradient(func_graph, "tf.cond")
+    _note_gradient(func_graph)
     if len(outputs) <= len(grads) or not getattr(_differentiating, "depth", 0):
         return wrapped(*args, **kwargs)
     # ``_grad_fn`` pairs ``func_graph.outputs`` with ``grads`` and reads nothing
@@ -670,12 +742,29 @@ def loop_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     """``while_v2._create_grad_func``, called by the gradient of a While op:
     noted (``_note_gradient``). (TensorFlow gives no cotangent to the outputs
     an earlier gradient added to the op, which is right unless a tape
-    recorded ops reading them: such a tape of ours refuses.)"""
-    _note_gradient(bind(_params(wrapped), args, kwargs)["body_graph"], "graph loop")
-    return wrapped(*args, **kwargs)
+    recorded ops reading them: such a tape of ours refuses, ``complete_record``.)"""
+    body = bind(_params(wrapped), args, kwargs)["body_graph"]
+    _note_gradient(body)
+    try:
+        return wrapped(*args, **kwargs)
+    except ValueError as error:
+        # Seen when tf.gradients went through a graph loop inside this loop's
+        # body and the body writes a variable: the inner gradient reads the
+        # write's version handle, made in the body (plain TF has no such handle).
+        if "creates a resource in its body" not in str(error) or body not in _writing_bodies:
+            raise
+        raise ControlFlowWriteError(
+            f"TensorFlow cannot differentiate the graph loop {body.name!r}: its body makes a "
+            "resource that the gradient needs, as when tf.gradients goes through a graph loop "
+            "inside a loop body that writes a variable. Take that inner gradient with a tape "
+            "opened inside the loop body instead of tf.gradients."
+        ) from error
 
 
 _pending: List[List[Any]] = []
+
+# The body graphs of the graph loops that carry written variables (``_carrying``).
+_writing_bodies: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def build_cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -922,6 +1011,7 @@ def _carrying(
 
     def body_fn(state: Any, values: Any) -> Any:
         bodies.append(ops.get_default_graph())
+        _writing_bodies.add(bodies[-1])
         body = _versions.open_branch(scope, parent, uids, token)
         try:
             for v, value in zip(carried, values):

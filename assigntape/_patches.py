@@ -267,6 +267,7 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # attributes (_control_flow).
         (cond_v2, "cond_v2", _control_flow.cond),
         (cond_v2, "_build_cond", _control_flow.build_cond),
+        (cond_v2, "indexed_case", _control_flow.indexed_case),
         (while_v2, "while_loop", _control_flow.while_loop),
         # A cond's or loop's gradient after tf.gradients went through it.
         (cond_v2, "_grad_fn", _control_flow.branch_gradient),

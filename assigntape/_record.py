@@ -46,9 +46,11 @@ class Record:
       escapes: where a recorded value left TensorFlow (``_diagnostics``).
       written_while_closed: id(a variable's own handle) -> that handle, for
         the writes made while the tape was closed (``_versions``).
-      stale: the name of a cond or loop whose gradient was built while the
-        tape recorded it as a bare op, which that gradient may change under
-        the record (``_control_flow._note_gradient``); else None.
+      suspects: id -> (a weak reference to a cond, case or loop op the tape
+        recorded bare, its number of outputs the record knows), for each such
+        op whose gradient was built while the tape recorded, which may have
+        added outputs the record lacks (``_control_flow._note_gradient``,
+        ``complete_record``).
     """
 
     def __init__(self, tape: Any, untracked_writes: str = "raise", keeps_history: bool = True) -> None:
@@ -62,7 +64,7 @@ class Record:
         self.writes: Dict[str, List[WriteRecord]] = {}
         self.escapes: List[str] = []
         self.written_while_closed: Dict[int, Any] = {}
-        self.stale: Optional[str] = None
+        self.suspects: Dict[int, Tuple[Any, int]] = {}
 
     # -- the tape's TensorFlow side --------------------------------------------
 
@@ -143,6 +145,6 @@ class Record:
         self.writes.clear()
         self.escapes.clear()
         self.written_while_closed.clear()
-        self.stale = None
+        self.suspects.clear()
         self.start = dict(current)
         self.start_owners = {uid: owners[id(h)] for uid, h in self.start.items()}

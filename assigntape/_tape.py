@@ -9,7 +9,7 @@ import tensorflow as tf
 from assigntape._tf import array_ops, gen_resource_variable_ops, nest, resource_variable_ops, tensor_lib, UnconnectedGradients
 
 from assigntape import _control_flow, _diagnostics, _patches, _plain_tapes, _record, _versions
-from assigntape._errors import ControlFlowWriteError, NotAVariableError
+from assigntape._errors import NotAVariableError
 
 # The class of (nearly) every variable: a source of that exact type is asked
 # nothing more (not ``isinstance``: subclasses may wrap another variable).
@@ -309,15 +309,8 @@ class AssignAwareTape(tf.GradientTape):
         """
         if target is None:
             return super().gradient(target, sources, output_gradients, unconnected_gradients)
-        if self._record.stale is not None:
-            raise ControlFlowWriteError(
-                f"tf.gradients (or another tape's gradient) went through the {self._record.stale} "
-                "while this tape recorded, as for a second derivative or a gradient penalty. "
-                "TensorFlow then makes the op output intermediates this tape did not record, so it "
-                "cannot differentiate what was computed from them (a plain tf.GradientTape fails "
-                "there, or through a loop is silently wrong). Make this tape persistent=True, or "
-                "take the inner gradient with a tape inside this one instead of tf.gradients."
-            )
+        if self._record.suspects:
+            _control_flow.complete_record(self._record)
         # A flat list or tuple (of variables and tensors, the usual sources)
         # needs none of nest's flattening and packing, which cost as much as
         # the rest here; a plain variable is never nested, asked without nest.
