@@ -576,7 +576,8 @@ def differentiating(delta: int) -> None:
 _built_under: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 _CONTROL_OPS = ("If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase")
-_OP_KINDS = {"While": "graph loop", "StatelessWhile": "graph loop", "Case": "tf.switch_case", "StatelessCase": "tf.switch_case"}
+
+
 def _control_op(tensors: Any) -> Any:
     """The If or While op that produced ``tensors`` (directly or through the
     identities cond_v2 and while_v2 put after it), or None (TensorFlow wrapped
@@ -608,11 +609,18 @@ def _paused(recorder: Any) -> Iterator[None]:
             recorder._push_tape()
 
 
-def _records_alone(recorder: Any, others: List[Any], inputs: List[Any]) -> bool:
-    """Whether ``recorder`` alone records an op of ``inputs`` (the others set aside)."""
+@contextlib.contextmanager
+def _alone(others: List[Any]) -> Iterator[None]:
+    """``others`` (recorders) set aside: what records now is what is left."""
     with contextlib.ExitStack() as stack:
         for other in others:
             stack.enter_context(_paused(other))
+        yield
+
+
+def _records_alone(recorder: Any, others: List[Any], inputs: List[Any]) -> bool:
+    """Whether ``recorder`` alone records an op of ``inputs`` (the others set aside)."""
+    with _alone(others):
         return bool(pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop(inputs))
 
 
@@ -702,10 +710,8 @@ def _record_outputs(found: Any, op: Any, start: int, stop: int) -> None:
 
     tape = found.tape
     others = [r for r in _versions.recording_now() if r is not found and not isinstance(r, forwardprop.ForwardAccumulator)]
-    with contextlib.ExitStack() as stack:
-        for other in others:
-            stack.enter_context(_paused(other))
-        if not found.recording():
+    with _alone(others), contextlib.ExitStack() as stack:
+        if not found.recording():  # closed: on its tape for this record only
             tape._push_tape()
             stack.callback(tape._pop_tape)
         record.record_operation_backprop_only(op.type, added, list(op.inputs), backward)
