@@ -33,12 +33,14 @@ from assigntape._tf import (
     array_ops,
     auto_control_deps,
     composite_tensor,
+    context,
     control_flow_util,
     default_gradient,
     dtypes,
     eager_tape,
     forwardprop,
     gen_resource_variable_ops,
+    gradients_util,
     handle_data_util,
     math_ops,
     nest,
@@ -558,6 +560,37 @@ def _leave(scope: Any, parent: Any, var: Any, value: Any, what: str) -> None:
         new = symbolic_version(var, old, value, [value], _rules.identity_backward)
     record.record_operation(what, [new], [value], _rules.identity_backward, forward_function=lambda t: [t])
     scope.advance(var, old, new, _versions.WriteRecord(what))
+
+
+def possible_gradient_types(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``gradients_util.PossibleTapeGradientTypes``, asked by a cond, case or
+    loop being built and by a function call, which gradient functions to
+    prepare: in a graph where a tape of ours records, always those for higher
+    order, as for a persistent tape.
+
+    With one non-persistent tape recording, TensorFlow records a graph cond,
+    case, loop or call bare and prepares first-order gradients only. But
+    ``tf.gradients`` inside the tape (a gradient penalty, MAML's inner step, a
+    Jacobian) makes the op output intermediates after the tape recorded it,
+    and the gradient ops the tape records next read them: the tape drops their
+    cotangents (a plain tape is then silently wrong, returns None or fails an
+    assertion). Prepared for higher order, the op sits in a function call whose
+    recorded gradient outputs every intermediate up front."""
+    kind = wrapped(*args, **kwargs)
+    if kind != gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER or context.executing_eagerly():
+        return kind
+    recorders = _versions.recording_now()
+    # Not with an accumulator recording, nor under XLA: TensorFlow's forward
+    # mode through the wrapped op fails to build, and XLA cannot compile a
+    # wrapped cond that writes a variable. There the ops stay bare, and the
+    # tape completes its record of them (``complete_record``).
+    if any(isinstance(r, forwardprop.ForwardAccumulator) for r in recorders):
+        return kind
+    if not any(isinstance(r, _record.Record) for r in recorders):
+        return kind
+    if control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
+        return kind
+    return gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER
 
 
 # How many AssignAwareTape gradients this thread is computing (``branch_gradient``).

@@ -45,6 +45,7 @@ from assigntape._tf import (
     gen_resource_variable_ops,
     gen_state_ops,
     gen_training_ops,
+    gradients_util,
     ops,
     pywrap_tfe,
     resource_variable_ops,
@@ -271,6 +272,9 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (while_v2, "while_loop", _control_flow.while_loop),
         # A cond's or loop's gradient after tf.gradients went through it.
         (cond_v2, "_grad_fn", _control_flow.branch_gradient),
+        # Which gradient functions a cond, case, loop or function call in a
+        # graph prepares; TensorFlow calls it through the module attribute.
+        (gradients_util, "PossibleTapeGradientTypes", _control_flow.possible_gradient_types),
         (while_v2, "_create_grad_func", _control_flow.loop_gradient),
     ]
 

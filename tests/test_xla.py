@@ -18,7 +18,7 @@ program uncompiled.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterator, List
 
 import numpy as np
 import pytest
@@ -161,6 +161,18 @@ def test_reads_after_writes_in_nested_bodies(nesting: str, read_name: str, mode:
     assert_grads_close(grads, expected_grads, rtol=1e-4, atol=1e-5)
 
 
+_CALLS = ("PartitionedCall", "StatefulPartitionedCall")
+
+
+def _ops(graph: Any) -> Iterator[Any]:
+    """The ops of ``graph`` and of the functions its calls run: in a graph
+    where a tape records, a cond is wrapped in a function call."""
+    for op in graph.get_operations():
+        yield op
+        if op.type in _CALLS:
+            yield from _ops(graph._get_function(op.get_attr("f").name).graph)
+
+
 def test_a_read_before_a_nested_write_runs_before_it() -> None:
     """In a branch, a read of the branch's version and a write in a cond nested
     after it touch one resource through different handles (the branch's
@@ -182,9 +194,10 @@ def test_a_read_before_a_nested_write_runs_before_it() -> None:
         return before, tape.gradient(before, a)
 
     concrete = tf.function(f).get_concrete_function()
-    outer_if = next(op for op in concrete.graph.get_operations() if op.type in ("If", "StatelessIf"))
+    outer_if = next(op for op in _ops(concrete.graph) if op.type in ("If", "StatelessIf"))
     branch = outer_if._true_graph
-    nested = [op for op in branch.get_operations() if op.type in ("If", "StatelessIf")]
+    # (The nested cond, or the function call it is wrapped in, prepared for higher order.)
+    nested = [op for op in branch.get_operations() if op.type in ("If", "StatelessIf") + _CALLS]
     reads = [op for op in branch.get_operations() if op.type == "ReadVariableOp"]
     assert len(nested) == 1 and reads
     ancestors, frontier = set(), [nested[0]]
