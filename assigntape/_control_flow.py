@@ -580,17 +580,23 @@ def possible_gradient_types(wrapped: Callable[..., Any], instance: Any, args: An
     if kind != gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER or context.executing_eagerly():
         return kind
     recorders = _versions.recording_now()
-    # Not with an accumulator recording, nor under XLA: TensorFlow's forward
-    # mode through the wrapped op fails to build, and XLA cannot compile a
-    # wrapped cond that writes a variable. There the ops stay bare, and the
-    # tape completes its record of them (``complete_record``).
+    # Not with an accumulator recording (TensorFlow's forward mode through the
+    # wrapped op fails to build), nor under XLA for a cond or loop that writes
+    # a variable (the wrapped op then fails to build). There the op stays
+    # bare, and the tape completes its record of it (``complete_record``).
     if any(isinstance(r, forwardprop.ForwardAccumulator) for r in recorders):
         return kind
     if not any(isinstance(r, _record.Record) for r in recorders):
         return kind
-    if control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
+    if _building_writes() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
         return kind
     return gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER
+
+
+def _building_writes() -> bool:
+    """Whether a cond whose branches write, or a loop that carries written
+    variables, is being built in this thread."""
+    return bool(getattr(_carrying_now, "depth", 0)) or any(b.values for branches in _pending for b in branches)
 
 
 # How many AssignAwareTape gradients this thread is computing (``branch_gradient``).
@@ -801,6 +807,9 @@ def loop_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
 
 
 _pending: List[List[Any]] = []
+
+# How many loops that carry written variables this thread is building (``_carrying``).
+_carrying_now = threading.local()
 
 # The body graphs of the graph loops that carry written variables (``_carrying``).
 _writing_bodies: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -1068,6 +1077,7 @@ def _carrying(
     invariants = arguments.get("shape_invariants")
     if invariants is not None:
         invariants = (invariants, tuple(t.shape for t in start))
+    _carrying_now.depth = getattr(_carrying_now, "depth", 0) + 1
     try:
         result, final = wrapped(
             **dict(
@@ -1082,6 +1092,8 @@ def _carrying(
     except (TypeError, ValueError, AssertionError) as error:
         _refuse_forward_mode_failure(error, carried, "graph loop")
         raise
+    finally:
+        _carrying_now.depth -= 1
     _note_recorders((result, final), bodies)
     for v, value in zip(carried, final):
         _leave(scope, parent, v, value, "tf.while_loop")

@@ -710,7 +710,7 @@ def _through(kind: str, value: Callable[[Any], Any], a: Any) -> Any:
     return tf.while_loop(lambda i, h: i < 1, lambda i, h: (i + 1, value(h)), (0, a))[1]
 
 
-def _higher_order(kind: str, program: str, tape_class: Any, persistent: bool, write: bool) -> Any:
+def _higher_order(kind: str, program: str, tape_class: Any, persistent: bool, write: bool, jit: bool = False) -> Any:
     """Higher order through tf.gradients taken inside the tape (helper-26's
     adversarial programs): the third derivative of sin(x) x by tf.gradients
     twice, the second derivative of exp(x) (its branch gradient reads only
@@ -718,7 +718,7 @@ def _higher_order(kind: str, program: str, tape_class: Any, persistent: bool, wr
     is computed inside a loop body)."""
     v = tf.Variable(tf.zeros([3], tf.float64) if program == "jacobian" else 0.0, dtype=tf.float64)
 
-    @tf.function
+    @tf.function(jit_compile=jit)
     def f() -> Any:
         x = tf.constant([0.3, -0.8, 1.1] if program == "jacobian" else 0.7, tf.float64)
         with tape_class(persistent=persistent) as tape:
@@ -750,8 +750,12 @@ _HIGHER_ORDER_EXACT = {
 
 
 @pytest.mark.parametrize("program", sorted(_HIGHER_ORDER_EXACT))
-@pytest.mark.parametrize("kind", ["cond", "switch_case", "graph loop"])
-def test_higher_order_through_tf_gradients_in_a_non_persistent_tape_is_right(kind, program):
+@pytest.mark.parametrize(
+    "kind, jit",
+    # (XLA cannot compile these graph loops' gradients, for a plain persistent tape neither.)
+    [("cond", False), ("switch_case", False), ("graph loop", False), ("cond", True), ("switch_case", True)],
+)
+def test_higher_order_through_tf_gradients_in_a_non_persistent_tape_is_right(kind, jit, program):
     """A non-persistent tape of ours prepares the conds, cases and loops it
     records in a graph for higher order, as TensorFlow does for a persistent
     tape: right, with or without a write, where a plain non-persistent tape
@@ -759,11 +763,11 @@ def test_higher_order_through_tf_gradients_in_a_non_persistent_tape_is_right(kin
     as plain TensorFlow, -1.1796 for a third derivative of -2.4680.)"""
     x = np.array([0.3, -0.8, 1.1]) if program == "jacobian" else 0.7
     exact = _HIGHER_ORDER_EXACT[program](x)
-    np.testing.assert_allclose(_higher_order(kind, program, tf.GradientTape, True, False)(), exact, rtol=1e-12)
+    np.testing.assert_allclose(_higher_order(kind, program, tf.GradientTape, True, False, jit)(), exact, rtol=1e-12)
     for write in (False, True):
-        np.testing.assert_allclose(_higher_order(kind, program, AssignAwareTape, False, write)(), exact, rtol=1e-12)
+        np.testing.assert_allclose(_higher_order(kind, program, AssignAwareTape, False, write, jit)(), exact, rtol=1e-12)
     try:
-        plain = _higher_order(kind, program, tf.GradientTape, False, False)()
+        plain = _higher_order(kind, program, tf.GradientTape, False, False, jit)()
     except ValueError:  # a None inside TensorFlow's jacobian
         plain = None
     assert plain is None or not np.allclose(plain, exact)  # TensorFlow's own limit, left as it is
