@@ -452,7 +452,6 @@ class _Cell:
 
 
 def _second_order_through_a_stopped_write(v: _Cell, outer: Any, x: Any) -> Any:
-    rewrite = v.rewrite
     with outer:
         outer.watch(x)
         v.assign(v.read() * 0.3 + x * 0.7)
