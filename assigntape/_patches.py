@@ -272,10 +272,10 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (while_v2, "while_loop", _control_flow.while_loop),
         # A cond's or loop's gradient after tf.gradients went through it.
         (cond_v2, "_grad_fn", _control_flow.branch_gradient),
+        (while_v2, "_create_grad_func", _control_flow.loop_gradient),
         # Which gradient functions a cond, case, loop or function call in a
         # graph prepares; TensorFlow calls it through the module attribute.
         (gradients_util, "PossibleTapeGradientTypes", _control_flow.possible_gradient_types),
-        (while_v2, "_create_grad_func", _control_flow.loop_gradient),
     ]
 
 
