@@ -565,8 +565,8 @@ def _leave(scope: Any, parent: Any, var: Any, value: Any, what: str) -> None:
 def possible_gradient_types(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``gradients_util.PossibleTapeGradientTypes``, asked by a cond, case or
     loop being built and by a function call, which gradient functions to
-    prepare: in a graph where a tape of ours records, always those for higher
-    order, as for a persistent tape.
+    prepare: in the graph where a tape of ours records, always those for
+    higher order, as for a persistent tape.
 
     With one non-persistent tape recording, TensorFlow records a graph cond,
     case, loop or call bare and prepares first-order gradients only. But
@@ -579,14 +579,18 @@ def possible_gradient_types(wrapped: Callable[..., Any], instance: Any, args: An
     kind = wrapped(*args, **kwargs)
     if kind != gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER or context.executing_eagerly():
         return kind
-    recorders = _versions.recording_now()
+    # Only for ops built in the very graph where a tape of ours records, not
+    # in a function traced there (whose trace TensorFlow caches for every
+    # later caller) nor in a branch or body (wrapped at every level, pfor
+    # cannot vectorize a Jacobian through a cond in a loop or in a cond).
+    scope = getattr(_versions._tls, "scopes", {}).get(ops.get_default_graph())
+    if scope is None or not any(r.recording() for r in scope.records):
+        return kind
     # Not with an accumulator recording (TensorFlow's forward mode through the
     # wrapped op fails to build), nor under XLA for a cond or loop that writes
     # a variable (the wrapped op then fails to build). There the op stays
     # bare, and the tape completes its record of it (``complete_record``).
-    if any(isinstance(r, forwardprop.ForwardAccumulator) for r in recorders):
-        return kind
-    if not any(isinstance(r, _record.Record) for r in recorders):
+    if any(isinstance(r, forwardprop.ForwardAccumulator) for r in _versions.recording_now()):
         return kind
     if _building_writes() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
         return kind
