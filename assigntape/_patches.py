@@ -350,12 +350,28 @@ def _install() -> None:
         _build_wrappers()
     for owner, name, function in _attribute_patches():
         _put(owner, name, function)
+    _serve_write_methods()
     _versions.serve_handles(True)
     for group in _groups:
         group.put(group.wrappers)
         if not hasattr(group.owner, "_fastdict_insert"):
             # (tf.compat.v1.raw_ops, slow to set, keeps its dormant wrappers.)
             _versions.switches.append(lambda on, group=group: group.put(group.wrappers if on else group.originals))
+
+
+def _serve_write_methods() -> None:
+    """The eager short path of ``ResourceVariable.assign`` / ``assign_add`` /
+    ``assign_sub`` (``_writes.eager_method``), served like the handle
+    descriptor: on the class only while a tape is open. Plain functions, not
+    wrapt wrappers: as methods they must bind like TensorFlow's, and they are
+    the hot path of every write."""
+    cls = resource_variable_ops.ResourceVariable
+    for name in _writes.METHOD_OPS:
+        if any(o is cls and n == name for o, n, _, _ in _versions.served):
+            continue  # served already (installed before, then uninstalled)
+        original = vars(cls).get(name)  # TensorFlow's own, or None: the base class's
+        method = getattr(cls, name)
+        _versions.served.append((cls, name, _writes.eager_method(name, method), original))
 
 
 def follow_plain_tapes() -> None:

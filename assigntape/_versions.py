@@ -202,15 +202,20 @@ def _list(scope: Scope) -> None:
 
 
 def _serve_versions(on: bool) -> None:
-    """Puts the descriptor over ``BaseResourceVariable._handle`` while some
-    scope is open in some thread, and takes it off when none is: code outside
-    every tape then reads ``_handle`` from the instance dict, in C, as if
-    nothing were installed. Called under ``_all_lock``."""
-    present = "_handle" in _BASE_VARIABLE.__dict__
-    if on and _serving and not present:
-        setattr(_BASE_VARIABLE, "_handle", _READING)
-    elif not on and present and _BASE_VARIABLE.__dict__["_handle"] is _READING:
-        delattr(_BASE_VARIABLE, "_handle")
+    """Puts the ``served`` class attributes in place while some scope is open
+    in some thread, and takes them off when none is: code outside every tape
+    then reads ``_handle`` from the instance dict, in C, and calls
+    TensorFlow's own ``assign`` methods, as if nothing were installed.
+    Called under ``_all_lock``."""
+    for owner, name, replacement, original in served:
+        present = owner.__dict__.get(name)
+        if on and _serving and present is original:
+            setattr(owner, name, replacement)
+        elif not on and present is replacement:
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
 
 
 def _check_reads(on: bool) -> None:
@@ -285,6 +290,11 @@ _switched = False
 # When the last tape opened or closed (time.monotonic()), for ``idle``.
 _active_at = 0.0
 IDLE_SECONDS = 0.05
+# (class, attribute, what is put there, what was there or None) while a
+# scope is open: the handle descriptor (on a class that has none, so that
+# taking it off leaves the instance's), and the eager write methods' short
+# path (``_writes.eager_method``).
+served: List[Tuple[Any, str, Any, Any]] = []
 # (owner, attribute, original, wrapper) of the patches ``_patches`` puts in
 # place only while ``_with_unnamed`` is not empty (``accessed``): every
 # variable read calls them, and until then they have nothing to do.
@@ -719,6 +729,31 @@ def _forget_version(ref: Any, key: int) -> None:
         del _eager_versions[key]
 
 
+def short_path_scope(var: Any) -> Optional[Scope]:
+    """The eager scope where a write method of ``var`` may take its short
+    path (``_writes.eager_method``), else None: executing eagerly, in a
+    thread whose tape is the only one open in any thread (none could have
+    seen the variable), not acting for a replica, on a plain differentiable
+    ``ResourceVariable`` (no distribution strategy's component)."""
+    scopes = getattr(_tls, "scopes", None)
+    if not scopes:
+        return None
+    ctx = _context._context
+    if ctx is None or not ctx._thread_local_data.is_eager:
+        return None
+    scope = scopes.get(None)
+    if (
+        scope is None
+        or len(scopes) < len(_all_scopes)
+        or getattr(_tls, "merging", ())
+        or type(var) is not _RESOURCE_VARIABLE
+        or var.__dict__.get("_distribute_strategy") is not None
+        or not differentiable(var)
+    ):
+        return None
+    return scope
+
+
 def owner(tensor: Any) -> Optional[Tuple[Scope, Any]]:
     """The scope and variable whose handle ``tensor`` is, if a tape tracks it
     (or, eagerly, if it is a variable's own handle: the tape tracks it from now)."""
@@ -1123,6 +1158,7 @@ class HandleDescriptor:
 
 
 _READING = HandleDescriptor()
+served.append((_BASE_VARIABLE, "_handle", _READING, None))
 _UNREAD_VARIABLE = resource_variable_ops._UnreadVariable
 
 

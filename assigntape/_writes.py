@@ -27,9 +27,9 @@ from assigntape._tf import (
 )
 
 from assigntape import _control_flow, _fused, _plain_tapes, _rules, _versions
-from assigntape._wrapping import bind
+from assigntape._wrapping import Wrapper, bind
 
-__all__ = ["fused_write", "raw_read", "tracked_write", "untracked_write"]
+__all__ = ["METHOD_OPS", "eager_method", "fused_write", "raw_read", "tracked_write", "untracked_write"]
 
 
 def tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Callable[..., Any]:
@@ -59,38 +59,109 @@ def tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Cal
             return _control_flow.write_around(
                 scope, around, [var], lambda: _control_flow.branch_write(op_name, rule, wrapped, arguments, around, var), op_name
             )
-        old = scope.current_version(var)
-        write = rule.prepare(var, old, arguments)
-        old_shape = None if var.shape.is_fully_defined() else _versions.dynamic_shape(old)
-        forward = _forward_value(rule, var, old, write, arguments)
-        # The real write. If it raises (bad shape or dtype, duplicate indices),
-        # nothing below runs: the tape and the variable stay as they were.
-        if write.checks:
-            with ops.control_dependencies(write.checks):
-                result = wrapped(**arguments)
-        else:
-            result = wrapped(**arguments)
-        _versions.note_write_while_closed(handle, var)
-        if scope.key is None or result is None:
-            new = _versions.new_version(old, result)
-        else:
-            new = _control_flow.symbolic_version(var, old, result, write.inputs, write.backward)
-        if write.reads_old:
-            # A partial write reads the old value, but a variable that was never
-            # read is not watched yet, and an unwatched input is not recorded:
-            # its gradient would be lost. (Watching after the write is enough:
-            # what counts is that the old handle is watched when recording.)
-            _watch(scope, var)
-        record.record_operation_backprop_only(op_name, [new], write.inputs, write.backward)
-        if forward is not None:
-            # Forward accumulators: the new version's tangent is the functional
-            # value's, whose ops TensorFlow differentiates forward.
-            record.record_operation_forwardprop_only(op_name, [new], [forward], _rules.identity_backward, None)
-        recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
-        scope.advance(var, old, new, _versions.WriteRecord(op_name, recorded=recorded, old_shape=old_shape))
-        return result
+        return _write(scope, var, op_name, rule, wrapped, arguments, handle)
 
     return wrapper
+
+
+def _write(
+    scope: _versions.Scope, var: Any, op_name: str, rule: _rules.Rule, run: Callable[..., Any], arguments: Dict[str, Any], handle: Any
+) -> Any:
+    """A write in the tape's own graph, or eagerly: ``run(**arguments)`` writes,
+    then the new version is made and recorded, and becomes current."""
+    old = scope.current_version(var)
+    write = rule.prepare(var, old, arguments)
+    old_shape = None if var.shape.is_fully_defined() else _versions.dynamic_shape(old)
+    forward = _forward_value(rule, var, old, write, arguments)
+    # The real write. If it raises (bad shape or dtype, duplicate indices),
+    # nothing below runs: the tape and the variable stay as they were.
+    if write.checks:
+        with ops.control_dependencies(write.checks):
+            result = run(**arguments)
+    else:
+        result = run(**arguments)
+    _versions.note_write_while_closed(handle, var)
+    if scope.key is None or result is None:
+        new = _versions.new_version(old, result)
+    else:
+        new = _control_flow.symbolic_version(var, old, result, write.inputs, write.backward)
+    if write.reads_old:
+        # A partial write reads the old value, but a variable that was never
+        # read is not watched yet, and an unwatched input is not recorded:
+        # its gradient would be lost. (Watching after the write is enough:
+        # what counts is that the old handle is watched when recording.)
+        _watch(scope, var)
+    record.record_operation_backprop_only(op_name, [new], write.inputs, write.backward)
+    if forward is not None:
+        # Forward accumulators: the new version's tangent is the functional
+        # value's, whose ops TensorFlow differentiates forward.
+        record.record_operation_forwardprop_only(op_name, [new], [forward], _rules.identity_backward, None)
+    recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
+    scope.advance(var, old, new, _versions.WriteRecord(op_name, recorded=recorded, old_shape=old_shape))
+    return result
+
+
+# ``ResourceVariable``'s write methods -> the op each runs, and its wrapper's name.
+METHOD_OPS = {
+    "assign": ("AssignVariableOp", "assign_variable_op"),
+    "assign_add": ("AssignAddVariableOp", "assign_add_variable_op"),
+    "assign_sub": ("AssignSubVariableOp", "assign_sub_variable_op"),
+}
+
+
+def eager_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``ResourceVariable.assign`` / ``assign_add`` / ``assign_sub`` while a
+    tape is open (``_versions.served``): eagerly, on a plain variable of this
+    thread's tape, the write and its version straight away, without
+    TensorFlow's layers around the op and the op wrapper's checks, none of
+    which has anything to do there (about half a write's cost). Anything
+    else goes to TensorFlow's method, whose op the wrapper above follows.
+    Same ops, same version, same recorded gradient, same result. ``method``
+    is TensorFlow's."""
+    op_name, snake = METHOD_OPS[name]
+    rule = _rules.RULES[op_name]
+    assert isinstance(rule, _rules.Rule)
+    # The op itself, not our wrapper of it (installed or not).
+    op = getattr(gen_resource_variable_ops, snake)
+    op = op.__wrapped__ if isinstance(op, Wrapper) else op
+    assigns = name == "assign"
+
+    def write(self: Any, value: Any, use_locking: Any, name: Any, read_value: bool) -> Any:
+        scope = _versions.short_path_scope(self)
+        if scope is None or ops.is_auto_dtype_conversion_enabled():
+            # (TensorFlow's method, in that mode, promotes the value's dtype first.)
+            return method(self, value, use_locking, name, read_value)
+        value = ops.convert_to_tensor(value, dtype=self.dtype)
+        shape = self._shape
+        if assigns and value.shape != shape:
+            return method(self, value, use_locking, name, read_value)  # TensorFlow's error, or a broadcast
+        handle = self._handle  # the current version, as TensorFlow's method would write through
+        arguments: Dict[str, Any] = {"resource": handle, "value": value, "name": name}
+        if assigns:
+            arguments["validate_shape"] = self._validate_shape
+        _write(scope, self, op_name, rule, op, arguments, handle)
+        if not read_value:
+            return None
+        # TensorFlow's ``_lazy_read``, eagerly: the variable was accessed (its
+        # new version is watched), and the result reads it lazily.
+        _watch(scope, self)
+        return _UNREAD_VARIABLE(
+            handle=self.__dict__["_handle"], dtype=self.dtype, shape=shape,
+            in_graph_mode=False, parent_op=None, unique_id=self._unique_id,
+        )
+
+    # TensorFlow's signatures: ``assign(value, ...)``, ``assign_add(delta, ...)``.
+    if assigns:
+        def short_path(self: Any, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+            return write(self, value, use_locking, name, read_value)
+    else:
+        def short_path(self: Any, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+            return write(self, delta, use_locking, name, read_value)
+
+    short_path.__name__, short_path.__qualname__, short_path.__doc__ = name, method.__qualname__, method.__doc__
+    short_path.__wrapped__ = method  # type: ignore[attr-defined]
+    return short_path
+
 
 
 def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> Callable[..., Any]:
@@ -188,6 +259,9 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
         return result
 
     return wrapper
+
+
+_UNREAD_VARIABLE = resource_variable_ops._UnreadVariable
 
 
 def _forward_value(rule: _rules.Rule, var: Any, old: Any, write: _rules.Write, arguments: Dict[str, Any]) -> Any:
