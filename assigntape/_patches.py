@@ -56,7 +56,7 @@ from assigntape._tf import (
     while_v2,
 )
 
-from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _leases, _plain_tapes, _rules, _versions, _writes
+from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _leases, _plain_tapes, _rules, _short_paths, _versions, _writes
 from assigntape._wrapping import Wrapper
 
 __all__ = ["acquire", "follow_plain_tapes", "installed", "refuse_unfollowed_recorders", "release", "remove_unused", "uninstall"]
@@ -350,7 +350,7 @@ def _install() -> None:
         _build_wrappers()
     for owner, name, function in _attribute_patches():
         _put(owner, name, function)
-    _serve_write_methods()
+    _serve_short_paths()
     _versions.serve_handles(True)
     for group in _groups:
         group.put(group.wrappers)
@@ -359,19 +359,18 @@ def _install() -> None:
             _versions.switches.append(lambda on, group=group: group.put(group.wrappers if on else group.originals))
 
 
-def _serve_write_methods() -> None:
-    """The eager short path of ``ResourceVariable.assign`` / ``assign_add`` /
-    ``assign_sub`` (``_writes.eager_method``), served like the handle
-    descriptor: on the class only while a tape is open. Plain functions, not
-    wrapt wrappers: as methods they must bind like TensorFlow's, and they are
-    the hot path of every write."""
+def _serve_short_paths() -> None:
+    """The eager short paths of ``ResourceVariable.value``, ``assign``,
+    ``assign_add`` and ``assign_sub`` (``_short_paths``), served like the
+    handle descriptor: on the class only while a tape is open."""
     cls = resource_variable_ops.ResourceVariable
-    for name in _writes.METHOD_OPS:
+    for name in ("value", *_short_paths.WRITE_METHODS):
         if any(o is cls and n == name for o, n, _, _ in _versions.served):
             continue  # served already (installed before, then uninstalled)
-        original = vars(cls).get(name)  # TensorFlow's own, or None: the base class's
+        original = vars(cls).get(name)  # TensorFlow's own there, or None: the base class's
         method = getattr(cls, name)
-        _versions.served.append((cls, name, _writes.eager_method(name, method), original))
+        short = _short_paths.value_method(method) if name == "value" else _short_paths.write_method(name, method)
+        _versions.served.append((cls, name, short, original))
 
 
 def follow_plain_tapes() -> None:

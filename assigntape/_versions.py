@@ -731,7 +731,7 @@ def _forget_version(ref: Any, key: int) -> None:
 
 def short_path_scope(var: Any) -> Optional[Scope]:
     """The eager scope where a write method of ``var`` may take its short
-    path (``_writes.eager_method``), else None: executing eagerly, in a
+    path (``_short_paths.write_method``), else None: executing eagerly, in a
     thread whose tape is the only one open in any thread (none could have
     seen the variable), not acting for a replica, on a plain differentiable
     ``ResourceVariable`` (no distribution strategy's component)."""
@@ -898,7 +898,10 @@ def call_context() -> Optional[Tuple[Scope, Optional["Branch"]]]:
 def eager_scope() -> Optional[Scope]:
     """This thread's eager scope, when executing eagerly with a tape open."""
     scopes = getattr(_tls, "scopes", None)
-    if not scopes or not executing_eagerly():
+    if not scopes:
+        return None
+    ctx = _context._context  # (every eager read asks: TensorFlow's context, directly)
+    if ctx is None or not ctx._thread_local_data.is_eager:
         return None
     return scopes.get(None)
 

@@ -27,9 +27,9 @@ from assigntape._tf import (
 )
 
 from assigntape import _control_flow, _fused, _plain_tapes, _rules, _versions
-from assigntape._wrapping import Wrapper, bind
+from assigntape._wrapping import bind
 
-__all__ = ["METHOD_OPS", "eager_method", "fused_write", "raw_read", "tracked_write", "untracked_write"]
+__all__ = ["fused_write", "raw_read", "tracked_write", "untracked_write", "watch", "write_here"]
 
 
 def tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Callable[..., Any]:
@@ -59,12 +59,12 @@ def tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Cal
             return _control_flow.write_around(
                 scope, around, [var], lambda: _control_flow.branch_write(op_name, rule, wrapped, arguments, around, var), op_name
             )
-        return _write(scope, var, op_name, rule, wrapped, arguments, handle)
+        return write_here(scope, var, op_name, rule, wrapped, arguments, handle)
 
     return wrapper
 
 
-def _write(
+def write_here(
     scope: _versions.Scope, var: Any, op_name: str, rule: _rules.Rule, run: Callable[..., Any], arguments: Dict[str, Any], handle: Any
 ) -> Any:
     """A write in the tape's own graph, or eagerly: ``run(**arguments)`` writes,
@@ -90,7 +90,7 @@ def _write(
         # read is not watched yet, and an unwatched input is not recorded:
         # its gradient would be lost. (Watching after the write is enough:
         # what counts is that the old handle is watched when recording.)
-        _watch(scope, var)
+        watch(scope, var)
     record.record_operation_backprop_only(op_name, [new], write.inputs, write.backward)
     if forward is not None:
         # Forward accumulators: the new version's tangent is the functional
@@ -99,69 +99,6 @@ def _write(
     recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
     scope.advance(var, old, new, _versions.WriteRecord(op_name, recorded=recorded, old_shape=old_shape))
     return result
-
-
-# ``ResourceVariable``'s write methods -> the op each runs, and its wrapper's name.
-METHOD_OPS = {
-    "assign": ("AssignVariableOp", "assign_variable_op"),
-    "assign_add": ("AssignAddVariableOp", "assign_add_variable_op"),
-    "assign_sub": ("AssignSubVariableOp", "assign_sub_variable_op"),
-}
-
-
-def eager_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-    """``ResourceVariable.assign`` / ``assign_add`` / ``assign_sub`` while a
-    tape is open (``_versions.served``): eagerly, on a plain variable of this
-    thread's tape, the write and its version straight away, without
-    TensorFlow's layers around the op and the op wrapper's checks, none of
-    which has anything to do there (about half a write's cost). Anything
-    else goes to TensorFlow's method, whose op the wrapper above follows.
-    Same ops, same version, same recorded gradient, same result. ``method``
-    is TensorFlow's."""
-    op_name, snake = METHOD_OPS[name]
-    rule = _rules.RULES[op_name]
-    assert isinstance(rule, _rules.Rule)
-    # The op itself, not our wrapper of it (installed or not).
-    op = getattr(gen_resource_variable_ops, snake)
-    op = op.__wrapped__ if isinstance(op, Wrapper) else op
-    assigns = name == "assign"
-
-    def write(self: Any, value: Any, use_locking: Any, name: Any, read_value: bool) -> Any:
-        scope = _versions.short_path_scope(self)
-        if scope is None or ops.is_auto_dtype_conversion_enabled():
-            # (TensorFlow's method, in that mode, promotes the value's dtype first.)
-            return method(self, value, use_locking, name, read_value)
-        value = ops.convert_to_tensor(value, dtype=self.dtype)
-        shape = self._shape
-        if assigns and value.shape != shape:
-            return method(self, value, use_locking, name, read_value)  # TensorFlow's error, or a broadcast
-        handle = self._handle  # the current version, as TensorFlow's method would write through
-        arguments: Dict[str, Any] = {"resource": handle, "value": value, "name": name}
-        if assigns:
-            arguments["validate_shape"] = self._validate_shape
-        _write(scope, self, op_name, rule, op, arguments, handle)
-        if not read_value:
-            return None
-        # TensorFlow's ``_lazy_read``, eagerly: the variable was accessed (its
-        # new version is watched), and the result reads it lazily.
-        _watch(scope, self)
-        return _UNREAD_VARIABLE(
-            handle=self.__dict__["_handle"], dtype=self.dtype, shape=shape,
-            in_graph_mode=False, parent_op=None, unique_id=self._unique_id,
-        )
-
-    # TensorFlow's signatures: ``assign(value, ...)``, ``assign_add(delta, ...)``.
-    if assigns:
-        def short_path(self: Any, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
-            return write(self, value, use_locking, name, read_value)
-    else:
-        def short_path(self: Any, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
-            return write(self, delta, use_locking, name, read_value)
-
-    short_path.__name__, short_path.__qualname__, short_path.__doc__ = name, method.__qualname__, method.__doc__
-    short_path.__wrapped__ = method  # type: ignore[attr-defined]
-    return short_path
-
 
 
 def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> Callable[..., Any]:
@@ -261,9 +198,6 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
     return wrapper
 
 
-_UNREAD_VARIABLE = resource_variable_ops._UnreadVariable
-
-
 def _forward_value(rule: _rules.Rule, var: Any, old: Any, write: _rules.Write, arguments: Dict[str, Any]) -> Any:
     """The write's new value as plain ops on the previous version, when a
     ``ForwardAccumulator`` has a tangent for an input of the write (else None):
@@ -279,7 +213,7 @@ def _forward_value(rule: _rules.Rule, var: Any, old: Any, write: _rules.Write, a
     return rule.value(gen_resource_variable_ops.read_variable_op(old, var.dtype), arguments)
 
 
-def _watch(scope: _versions.Scope, var: Any) -> None:
+def watch(scope: _versions.Scope, var: Any) -> None:
     """``resource_variable_ops.variable_accessed(var)``: the variable is watched
     by the tapes, as a read would. Eagerly, for a variable that is not a
     distributed one's component (for which TensorFlow's distribution lookup

@@ -1,0 +1,140 @@
+"""The eager short paths of ``ResourceVariable``'s reads and writes.
+
+Eagerly, a variable's ``value()`` (every read that converts it to a tensor:
+``v + 1``, ``x @ v``) and its ``assign`` / ``assign_add`` / ``assign_sub`` go
+through several layers of TensorFlow's Python before their op runs, and
+under an ``AssignAwareTape`` each layer that asks ``v.handle`` runs the
+version descriptor. While a tape is open, these methods are replaced on the
+class (``_versions.served``, put in place and taken off with the handle
+descriptor) by functions that do, for a plain variable, exactly what those
+layers end in: the same op on the same version, the same watch, the same
+record on the tapes, the same result. Anything else (a distributed
+component, another thread's tape, a graph, dtype promotion mode, a cached
+or colocated read) goes to TensorFlow's method, which the op wrappers follow
+as before.
+
+Plain functions, not wrapt wrappers: as methods they must bind like
+TensorFlow's, and they are the hot path of every read and write.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+from assigntape._tf import (
+    dtypes,
+    gen_resource_variable_ops,
+    ops,
+    resource_variable_ops,
+)
+
+from assigntape import _rules, _versions, _writes
+from assigntape._wrapping import Wrapper
+
+__all__ = ["WRITE_METHODS", "value_method", "write_method"]
+
+# The write methods -> the op each runs, and its generated function's name.
+WRITE_METHODS = {
+    "assign": ("AssignVariableOp", "assign_variable_op"),
+    "assign_add": ("AssignAddVariableOp", "assign_add_variable_op"),
+    "assign_sub": ("AssignSubVariableOp", "assign_sub_variable_op"),
+}
+
+_RESOURCE_VARIABLE = resource_variable_ops.ResourceVariable
+_UNREAD_VARIABLE = resource_variable_ops._UnreadVariable
+_VARIANT = dtypes.variant
+
+
+def _op(snake: str) -> Callable[..., Any]:
+    """The generated op function itself, not our wrapper of it (installed or not)."""
+    op = getattr(gen_resource_variable_ops, snake)
+    return op.__wrapped__ if isinstance(op, Wrapper) else op
+
+
+def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``ResourceVariable.<name>`` (``assign``, ``assign_add``, ``assign_sub``)
+    while a tape is open; ``method`` is TensorFlow's.
+
+    Eagerly, on a plain variable of the only thread with a tape open
+    (``_versions.short_path_scope``): the value converted as TensorFlow's
+    method does, the write and its version (``_writes.write_here``, which the
+    op wrapper uses too), and TensorFlow's ``_lazy_read`` (the variable
+    watched, an ``_UnreadVariable`` returned).
+    """
+    op_name, snake = WRITE_METHODS[name]
+    rule = _rules.RULES[op_name]
+    assert isinstance(rule, _rules.Rule)
+    op = _op(snake)
+    assigns = name == "assign"
+
+    def write(self: Any, value: Any, use_locking: Any, name: Any, read_value: bool) -> Any:
+        scope = _versions.short_path_scope(self)
+        if scope is None or ops.is_auto_dtype_conversion_enabled():
+            # (TensorFlow's method, in that mode, promotes the value's dtype first.)
+            return method(self, value, use_locking, name, read_value)
+        value = ops.convert_to_tensor(value, dtype=self.dtype)
+        shape = self._shape
+        if assigns and value.shape != shape:
+            return method(self, value, use_locking, name, read_value)  # TensorFlow's error, or a broadcast
+        handle = self._handle  # the current version, which TensorFlow's method writes through
+        arguments: Dict[str, Any] = {"resource": handle, "value": value, "name": name}
+        if assigns:
+            arguments["validate_shape"] = self._validate_shape
+        _writes.write_here(scope, self, op_name, rule, op, arguments, handle)
+        if not read_value:
+            return None
+        # TensorFlow's ``_lazy_read``, eagerly: the variable was accessed (its
+        # new version is watched), and the result reads it lazily.
+        _writes.watch(scope, self)
+        return _UNREAD_VARIABLE(
+            handle=self.__dict__["_handle"], dtype=self.dtype, shape=shape,
+            in_graph_mode=False, parent_op=None, unique_id=self._unique_id,
+        )
+
+    # TensorFlow's signatures: ``assign(value, ...)``, ``assign_add(delta, ...)``.
+    if assigns:
+        def short_path(self: Any, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+            return write(self, value, use_locking, name, read_value)
+    else:
+        def short_path(self: Any, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+            return write(self, delta, use_locking, name, read_value)
+
+    return _like(short_path, method)
+
+
+def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``ResourceVariable.value`` while a tape is open; ``method`` is TensorFlow's.
+
+    Eagerly, on a plain variable with no cached value or caching device,
+    where this thread has an eager tape: what ``_read_variable_op`` ends in
+    (the variable watched by the tapes and variable watchers if trainable,
+    then ``ReadVariableOp`` on the version the descriptor serves), without
+    its layers.
+    """
+    read = _op("read_variable_op")
+
+    def value(self: Any) -> Any:
+        d = self.__dict__
+        if (
+            type(self) is not _RESOURCE_VARIABLE
+            or d.get("_cached_value") is not None
+            or d.get("_caching_device") is not None
+            or d.get("_distribute_strategy") is not None
+            or d.get("_dtype") is _VARIANT
+        ):
+            return method(self)
+        scope = _versions.eager_scope()
+        if scope is None:
+            return method(self)
+        handle = self._handle  # the version, a first read's checks included
+        _writes.watch(scope, self)
+        d["_variable_read"] = True
+        return read(handle, d["_dtype"])
+
+    return _like(value, method)
+
+
+def _like(function: Callable[..., Any], method: Callable[..., Any]) -> Callable[..., Any]:
+    function.__name__, function.__qualname__, function.__doc__ = method.__name__, method.__qualname__, method.__doc__
+    function.__wrapped__ = method  # type: ignore[attr-defined]
+    return function
