@@ -364,7 +364,7 @@ def _serve_short_paths() -> None:
     ``assign_add`` and ``assign_sub`` (``_short_paths``), served like the
     handle descriptor: on the class only while a tape is open."""
     cls = resource_variable_ops.ResourceVariable
-    for name in ("value", *_short_paths.WRITE_METHODS):
+    for name in _short_paths.METHODS:
         if any(o is cls and n == name for o, n, _, _ in _versions.served):
             continue  # served already (installed before, then uninstalled)
         original = vars(cls).get(name)  # TensorFlow's own there, or None: the base class's
@@ -485,6 +485,7 @@ def patched_places() -> List[Tuple[Any, str]]:
     base = resource_variable_ops.BaseResourceVariable
     return (
         [(base, "_handle")]
+        + [(resource_variable_ops.ResourceVariable, name) for name in _short_paths.METHODS]
         + [(owner, name) for owner, name, _ in _attribute_patches()]
         + [(group.owner, name) for group in _groups for name in group.names]
     )

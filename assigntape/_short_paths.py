@@ -31,7 +31,7 @@ from assigntape._tf import (
 from assigntape import _rules, _versions, _writes
 from assigntape._wrapping import Wrapper
 
-__all__ = ["WRITE_METHODS", "value_method", "write_method"]
+__all__ = ["METHODS", "WRITE_METHODS", "value_method", "write_method"]
 
 # The write methods -> the op each runs, and its generated function's name.
 WRITE_METHODS = {
@@ -39,6 +39,9 @@ WRITE_METHODS = {
     "assign_add": ("AssignAddVariableOp", "assign_add_variable_op"),
     "assign_sub": ("AssignSubVariableOp", "assign_sub_variable_op"),
 }
+
+# Every method with a short path, on ``ResourceVariable``.
+METHODS = ("value", *WRITE_METHODS)
 
 _RESOURCE_VARIABLE = resource_variable_ops.ResourceVariable
 _UNREAD_VARIABLE = resource_variable_ops._UnreadVariable
@@ -86,10 +89,7 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         # TensorFlow's ``_lazy_read``, eagerly: the variable was accessed (its
         # new version is watched), and the result reads it lazily.
         _writes.watch(scope, self)
-        return _UNREAD_VARIABLE(
-            handle=self.__dict__["_handle"], dtype=self.dtype, shape=shape,
-            in_graph_mode=False, parent_op=None, unique_id=self._unique_id,
-        )
+        return _lazy_read(self, shape)
 
     # TensorFlow's signatures: ``assign(value, ...)``, ``assign_add(delta, ...)``.
     if assigns:
@@ -100,6 +100,53 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
             return write(self, delta, use_locking, name, read_value)
 
     return _like(short_path, method)
+
+
+# The attributes in which two eager ``_UnreadVariable``s of different
+# variables differ; every other one is the same for all (their defaults).
+_PER_VARIABLE = {"_handle", "_shape", "_dtype", "_unique_id"}
+# One eager ``_UnreadVariable``'s attributes, or False where this TensorFlow's
+# differ in more than ``_PER_VARIABLE`` (checked once, ``_template``).
+_unread_template: Any = None
+
+
+def _lazy_read(var: Any, shape: Any) -> Any:
+    """``var._lazy_read(None)`` eagerly: the ``_UnreadVariable`` TensorFlow's
+    write methods return, given the variable's own handle. Its constructor
+    runs TensorFlow's variable initialization (about 7 us); every eager one
+    gets the same attributes but for four, so the others are copied from a
+    template."""
+    d = var.__dict__
+    template = _unread_template if _unread_template is not None else _template(var)
+    if not template:
+        return _UNREAD_VARIABLE(
+            handle=d["_handle"], dtype=d["_dtype"], shape=shape, in_graph_mode=False, parent_op=None, unique_id=d["_unique_id"]
+        )
+    unread = _UNREAD_VARIABLE.__new__(_UNREAD_VARIABLE)
+    attributes = unread.__dict__
+    attributes.update(template)
+    attributes["_handle"], attributes["_shape"] = d["_handle"], shape
+    attributes["_dtype"], attributes["_unique_id"] = d["_dtype"], d["_unique_id"]
+    return unread
+
+
+def _template(var: Any) -> Any:
+    """Builds ``_unread_template`` from two real ``_UnreadVariable``s of two
+    variables (this one, and a scalar of another dtype), or sets it False if
+    they differ in more than ``_PER_VARIABLE``."""
+    global _unread_template
+    with ops.init_scope():
+        other = resource_variable_ops.ResourceVariable(0, dtype=dtypes.int8, trainable=False)
+    made = [
+        _UNREAD_VARIABLE(
+            handle=x.__dict__["_handle"], dtype=x.dtype, shape=x._shape, in_graph_mode=False, parent_op=None, unique_id=x._unique_id
+        )
+        for x in (var, other)
+    ]
+    a, b = (vars(m) for m in made)
+    differ = {k for k in a.keys() | b.keys() if k not in a or k not in b or a[k] is not b[k]}
+    _unread_template = {k: v for k, v in a.items() if k not in _PER_VARIABLE} if differ <= _PER_VARIABLE else False
+    return _unread_template
 
 
 def value_method(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -38,12 +38,24 @@ def test_the_write_ops_and_the_handle_are_among_the_patched_places():
         assert place in PATCHED, place
 
 
+# Served only while a tape is open: the handle descriptor, and the short
+# paths of the eager reads and writes.
+SERVED = {(rvo.BaseResourceVariable, "_handle")} | {(rvo.ResourceVariable, name) for name in ("value", "assign", "assign_add", "assign_sub")}
+
+
 def _snapshot():
-    # ``_handle`` is switched while tapes open and close (see below): its kind is compared.
+    # What is served while tapes open and close (see below): ours or not is compared.
+    def ours(x):
+        return getattr(x, "__module__", "").startswith("assigntape") or type(x).__module__.startswith("assigntape")
+
     return {
-        (cls, name): type(cls.__dict__.get(name)) if name == "_handle" and name in cls.__dict__ else cls.__dict__.get(name, "<absent>")
+        (cls, name): "served" if (cls, name) in SERVED and ours(cls.__dict__.get(name)) else cls.__dict__.get(name, "<absent>")
         for cls, name in PATCHED
     }
+
+
+def test_the_served_places_are_patched_places():
+    assert SERVED <= set(PATCHED)
 
 
 def test_patches_stay_dormant_between_tapes_until_uninstall():
@@ -61,9 +73,10 @@ def test_patches_stay_dormant_between_tapes_until_uninstall():
     between = _snapshot()
     with AssignAwareTape():
         assert _snapshot() == during  # the next tape finds them in place
-    # Installed once, left in place; only ``_handle`` is served differently.
-    handle = (rvo.BaseResourceVariable, "_handle")
-    assert {k: v for k, v in between.items() if k != handle} == {k: v for k, v in during.items() if k != handle}
+    # Installed once, left in place; only what is served is taken off between tapes.
+    assert {k: v for k, v in between.items() if k not in SERVED} == {k: v for k, v in during.items() if k not in SERVED}
+    for key in SERVED:
+        assert during[key] == "served" and between[key] is before[key], key
     switched = {(eager_tape, "variable_accessed")}  # in place only when needed (below)
     for key in before:
         assert during[key] is not before[key] or key in switched, key

@@ -1,0 +1,163 @@
+"""A variable's own methods under a tape: same values, results and errors as
+TensorFlow's, whichever path the tape takes (eagerly, ``value`` and the
+write methods take a short path while a tape is open; see ``_short_paths``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops as rvo
+
+from assigntape import AssignAwareTape
+from oracle import assert_grads_close, modes, run
+
+WRITES = ["assign", "assign_add", "assign_sub"]
+VALUES = {
+    "tuple": lambda: (0.5, -1.0),
+    "numpy": lambda: np.array([0.5, -1.0], np.float32),
+    "list": lambda: [0.5, -1.0],
+    "tensor": lambda: tf.constant([0.5, -1.0]),
+    "float64 numpy into float32": lambda: np.array([0.5, -1.0]),
+}
+
+
+def _outcome(fn):
+    """What ``fn()`` gave: its result's type, value, or its error's type."""
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - compared, not swallowed
+        return ("raised", type(e).__name__)
+    if result is None:
+        return ("None",)
+    return (type(result).__name__, np.asarray(result).tolist())
+
+
+def _write_outcome(tape_cls, method, value, **kwargs):
+    v = tf.Variable([1.0, 2.0])
+    with tape_cls():
+        got = _outcome(lambda: getattr(v, method)(value(), **kwargs))
+        after = v.numpy().tolist()
+    return got, after, v.numpy().tolist()
+
+
+def test_the_short_paths_are_served_while_a_tape_is_open_and_only_then():
+    served = ["value", *WRITES]
+    outside = {name: rvo.ResourceVariable.__dict__.get(name) for name in served}
+    with AssignAwareTape():
+        for name in served:
+            assert rvo.ResourceVariable.__dict__.get(name) is not outside[name], name
+    for name in served:
+        assert rvo.ResourceVariable.__dict__.get(name) is outside[name], name
+
+
+@pytest.mark.parametrize("method", WRITES)
+@pytest.mark.parametrize("value", list(VALUES))
+@pytest.mark.parametrize("read_value", [True, False])
+def test_a_write_method_returns_and_writes_as_tensorflows(method, value, read_value):
+    ours = _write_outcome(AssignAwareTape, method, VALUES[value], read_value=read_value)
+    plain = _write_outcome(tf.GradientTape, method, VALUES[value], read_value=read_value)
+    assert ours == plain
+    if value != "float64 numpy into float32":  # (TensorFlow refuses that one)
+        assert ours[0][0] == ("_UnreadVariable" if read_value else "None")
+
+
+@pytest.mark.parametrize(
+    "method,value",
+    [
+        ("assign", lambda: tf.constant([1, 2])),  # int32 into float32
+        ("assign_add", lambda: tf.constant([1, 2])),
+        ("assign", lambda: tf.constant([1.0, 2.0, 3.0])),  # wrong shape
+        ("assign_add", lambda: tf.constant([1.0, 2.0, 3.0])),
+        ("assign_sub", lambda: tf.constant([[1.0, 2.0]])),
+        ("assign", lambda: "text"),
+    ],
+)
+def test_a_failed_write_raises_as_tensorflow_and_changes_nothing(method, value):
+    ours, ours_after, _ = _write_outcome(AssignAwareTape, method, value)
+    plain, plain_after, _ = _write_outcome(tf.GradientTape, method, value)
+    assert ours[0] == "raised" and ours == plain and ours_after == plain_after == [1.0, 2.0]
+    # The tape carries on from the version before the failed write.
+    v, a = tf.Variable([1.0, 2.0]), tf.Variable(3.0)
+    with AssignAwareTape() as tape:
+        v.assign(a * v)
+        with pytest.raises(Exception):
+            getattr(v, method)(value())
+        loss = tf.reduce_sum(v * v)
+    assert float(tape.gradient(loss, a)) == pytest.approx(2 * 3.0 * (1.0 + 4.0))
+
+
+@modes
+def test_chained_results_and_keywords_follow_the_versions(mode):
+    v, a = tf.Variable(2.0), tf.Variable(3.0)
+
+    def body():
+        with AssignAwareTape() as tape:
+            r = v.assign(value=a * v).assign_add(delta=a, name="step")
+            r.assign_sub(1.0, read_value=False)
+            y = v.value() * r.read_value()  # both the latest version
+        return y, tape.gradient(y, [a, v])
+
+    y, grads = run(mode, body)
+    latest = 3.0 * 2.0 + 3.0 - 1.0  # a v + a - 1, with a = 3 and v = 2
+    assert float(y) == latest**2
+    # y = (a v + a - 1)^2: dy/da = 2 (a v + a - 1)(v + 1), dy/dv = 2 (a v + a - 1) a
+    assert_grads_close(grads, [2 * latest * (2.0 + 1.0), 2 * latest * 3.0])
+
+
+@modes
+@pytest.mark.parametrize("trainable", [True, False])
+def test_a_read_is_watched_as_tensorflows(mode, trainable):
+    """``value()`` (every conversion: ``v * x``) watches a trainable variable
+    only, and marks it read, as TensorFlow's does."""
+    v = tf.Variable(2.0, trainable=trainable)
+
+    def body():
+        with AssignAwareTape() as tape:
+            y = v * v
+        return tape.gradient(y, v), [w.name for w in tape.watched_variables()]
+
+    grad, watched = run(mode, body)
+    if trainable:
+        assert float(grad) == 4.0 and watched == [v.name]
+    else:
+        assert grad is None and watched == []
+    assert v._variable_read
+
+
+def test_reads_and_writes_of_other_variable_kinds_keep_tensorflows_methods():
+    """A variable whose class or state the short paths do not cover (a cached
+    value, an ``_UnreadVariable``, an int variable) goes to TensorFlow's
+    method, and its gradient is still the rewrite's."""
+    a = tf.Variable(3.0)
+    counter = tf.Variable(0, dtype=tf.int64)
+    v = tf.Variable(1.0)
+    with AssignAwareTape() as tape:
+        unread = v.assign(a * 2.0)  # an _UnreadVariable: TensorFlow's method
+        unread.assign_add(a)
+        counter.assign_add(1)
+        y = unread.value() * v.value()
+    assert int(counter.numpy()) == 1
+    # y = (3a)^2: dy/da = 18a
+    assert float(tape.gradient(y, a)) == pytest.approx(54.0)
+
+
+@pytest.mark.parametrize("method", WRITES)
+@pytest.mark.parametrize("read_value", [True, False])
+def test_a_write_watches_the_variable_as_tensorflows(method, read_value):
+    """TensorFlow's method watches the variable it wrote when it returns the
+    lazy read (``read_value=True``); a partial write reads the old value,
+    which the tape watches too (see ``test_write_kinds``)."""
+
+    def watched(tape_cls):
+        v = tf.Variable([1.0, 2.0], name="written")
+        with tape_cls() as tape:
+            getattr(v, method)(tf.constant([0.5, 0.5]), read_value=read_value)
+        return [w.name for w in tape.watched_variables()]
+
+    ours, plain = watched(AssignAwareTape), watched(tf.GradientTape)
+    if method == "assign":
+        assert ours == plain
+    else:
+        assert ours == ["written:0"]
+    assert ours == ([] if method == "assign" and not read_value else ["written:0"])
