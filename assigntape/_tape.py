@@ -21,6 +21,19 @@ __all__ = ["AssignAwareTape"]
 _as_tf_variable = _versions.resolve
 
 
+def _plain_question(target: Any, sources: Any, unconnected_gradients: Any) -> bool:
+    """Whether ``gradient`` is asked of a tensor target, for a list or tuple of
+    plain variables, with ``None`` for the unconnected ones."""
+    if not isinstance(target, tensor_lib.Tensor) or type(sources) not in (list, tuple):
+        return False
+    if unconnected_gradients is not UnconnectedGradients.NONE and unconnected_gradients != "none":
+        return False
+    for s in sources:
+        if type(s) is not _RESOURCE_VARIABLE:
+            return False
+    return True
+
+
 class AssignAwareTape(tf.GradientTape):
     """A ``tf.GradientTape`` that differentiates through variable writes.
 
@@ -309,8 +322,24 @@ class AssignAwareTape(tf.GradientTape):
         """
         if target is None:
             return super().gradient(target, sources, output_gradients, unconnected_gradients)
-        if self._record.suspects:
-            _control_flow.complete_record(self._record)
+        record = self._record
+        if (
+            not (record.versions or record.start or record.suspects)
+            and not _versions.open_here()
+            and _plain_question(target, sources, unconnected_gradients)
+        ):
+            # Nothing was written here or before, no tape is open here (so
+            # ``v.handle``, which TensorFlow takes, is the variable's own),
+            # the sources are plain variables and the target a tensor: every
+            # source's version is its own handle, and TensorFlow's answer is
+            # the tape's. Asked
+            # with no Python work of ours first: such work (mapping the
+            # sources, below) was measured to slow TensorFlow's backward pass
+            # that follows by about three times its own time (+40 us on a
+            # 1.3 ms backward pass; cause not found).
+            return self._tensorflows_gradient(target, sources, output_gradients, unconnected_gradients)
+        if record.suspects:
+            _control_flow.complete_record(record)
         # A flat list or tuple (of variables and tensors, the usual sources)
         # needs none of nest's flattening and packing, which cost as much as
         # the rest here; a plain variable is never nested, asked without nest.
@@ -351,26 +380,9 @@ class AssignAwareTape(tf.GradientTape):
         else:
             mapped_target = nest.map_structure(lambda t: self._version(t, -1), target)
         zero = unconnected_gradients in (UnconnectedGradients.ZERO, "zero")
-        # A non-persistent tape is done once asked: writes need no following
-        # from here, and while a closed tape is followed every patched
-        # function does its work, in the backward pass too.
-        done = not self._persistent
-        if done:
-            self._end_lease()
-        _control_flow.differentiating(1)
-        try:
-            flat_grads = super().gradient(
-                mapped_target,
-                given,
-                output_gradients,
-                UnconnectedGradients.NONE if zero else unconnected_gradients,
-            )
-        except BaseException:
-            if done and self._tape is not None and self._scope is None:
-                self._start_lease()  # closed, and TensorFlow kept the record: it may be asked again
-            raise
-        finally:
-            _control_flow.differentiating(-1)
+        flat_grads = self._tensorflows_gradient(
+            mapped_target, given, output_gradients, UnconnectedGradients.NONE if zero else unconnected_gradients
+        )
         if zero:
             flat_grads = [
                 self._zeros_for(raw, mapped) if g is None else g
@@ -379,6 +391,24 @@ class AssignAwareTape(tf.GradientTape):
         if simple:
             return type(sources)(flat_grads)
         return nest.pack_sequence_as(sources, flat_grads)
+
+    def _tensorflows_gradient(self, target: Any, sources: Any, output_gradients: Any, unconnected_gradients: Any) -> Any:
+        """``tf.GradientTape.gradient`` of what the tape's ``gradient`` mapped."""
+        # A non-persistent tape is done once asked: writes need no following
+        # from here, and while a closed tape is followed every patched
+        # function does its work, in the backward pass too.
+        done = not self._persistent
+        if done:
+            self._end_lease()
+        _control_flow.differentiating(1)
+        try:
+            return super().gradient(target, sources, output_gradients, unconnected_gradients)
+        except BaseException:
+            if done and self._tape is not None and self._scope is None:
+                self._start_lease()  # closed, and TensorFlow kept the record: it may be asked again
+            raise
+        finally:
+            _control_flow.differentiating(-1)
 
     def jacobian(self, target: Any, sources: Any, *args: Any, **kwargs: Any) -> Any:
         """As ``tf.GradientTape.jacobian``; a variable target means its latest version."""
