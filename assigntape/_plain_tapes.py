@@ -308,6 +308,20 @@ def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any)
         # own handle, which is what TensorFlow reads from it here).
         return wrapped(*args, **kwargs)
     arguments = bind(("target", "sources", "output_gradients", "unconnected_gradients"), args, kwargs)
+    if (
+        not getattr(instance, _START, None)
+        and _REBASED not in instance.__dict__
+        and _versions.plain_question(
+            arguments.get("target"), arguments.get("sources"),
+            arguments.get("unconnected_gradients", UnconnectedGradients.NONE),
+        )
+        and _versions.serves_own_handles()
+    ):
+        # Opened with no version about, and none made since: each variable
+        # source means its own handle, which TensorFlow takes from it (as in
+        # AssignAwareTape.gradient: no mapping first, which slows TensorFlow's
+        # backward pass).
+        return wrapped(*args, **kwargs)
     open_now = bool(getattr(instance, "_recording", False))
     start, end = getattr(instance, _START, None), _end(instance)
     sources = arguments["sources"]

@@ -65,6 +65,9 @@ class Record:
         self.escapes: List[str] = []
         self.written_while_closed: Dict[int, Any] = {}
         self.suspects: Dict[int, Tuple[Any, int]] = {}
+        # Whether some variable's first version here is not its own handle
+        # (``versions_start_own``).
+        self.foreign_first = False
 
     # -- the tape's TensorFlow side --------------------------------------------
 
@@ -103,6 +106,8 @@ class Record:
             self.versions[uid] = [old, new]
             self.writes[uid] = [write]
             self.owners[id(old)] = var
+            if old is not var.__dict__.get("_handle"):
+                self.foreign_first = True
         else:
             versions.append(new)
             self.writes[uid].append(write)
@@ -125,6 +130,11 @@ class Record:
         versions = self.versions.get(uid)
         return self.start.get(uid, own_handle) if versions is None else versions[0]
 
+    def versions_start_own(self) -> bool:
+        """Whether every variable's first version here (at the tape's start,
+        or before its first write here) is the variable's own handle."""
+        return not self.start and not self.foreign_first
+
     def latest(self) -> Dict[str, Any]:
         """Unique id -> the latest version this tape knows, start included."""
         found = {uid: versions[-1] for uid, versions in self.versions.items()}
@@ -146,5 +156,6 @@ class Record:
         self.escapes.clear()
         self.written_while_closed.clear()
         self.suspects.clear()
+        self.foreign_first = False
         self.start = dict(current)
         self.start_owners = {uid: owners[id(h)] for uid, h in self.start.items()}

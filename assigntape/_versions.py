@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from assigntape._tf import (
     ShardedVariable,
+    UnconnectedGradients,
     array_ops,
     eager_tape,
     BaseResourceVariable as _BASE_VARIABLE,
@@ -727,6 +728,35 @@ def _forget_version(ref: Any, key: int) -> None:
     found = _eager_versions.get(key)
     if found is not None and found[0] is ref:
         del _eager_versions[key]
+
+
+def plain_question(target: Any, sources: Any, unconnected_gradients: Any) -> bool:
+    """Whether a tape's ``gradient`` is asked of a tensor target, for a list or
+    tuple of plain variables, with ``None`` for the unconnected ones: where
+    no source or target needs mapping to a version if ``serves_own_handles``."""
+    if not isinstance(target, tensor_lib.Tensor) or type(sources) not in (list, tuple):
+        return False
+    if unconnected_gradients is not UnconnectedGradients.NONE and unconnected_gradients != "none":
+        return False
+    for s in sources:
+        if type(s) is not _RESOURCE_VARIABLE:
+            return False
+    return True
+
+
+def serves_own_handles() -> bool:
+    """Whether ``v.handle`` is every variable's own handle here, and asking it
+    has no side effect: no tape is open in this thread, or, eagerly, the only
+    scope of the thread has no version, no write awaiting a first read, and
+    no write through a handle no tape could name."""
+    scopes = getattr(_tls, "scopes", None)
+    if not scopes:
+        return True
+    scope = eager_scope()
+    return (
+        scope is not None and len(scopes) == 1 and not scope.current and not scope.dirty and not scope.unnamed
+        and not getattr(_tls, "merging", ())
+    )
 
 
 def short_path_scope(var: Any) -> Optional[Scope]:

@@ -161,3 +161,52 @@ def test_a_write_watches_the_variable_as_tensorflows(method, read_value):
     else:
         assert ours == ["written:0"]
     assert ours == ([] if method == "assign" and not read_value else ["written:0"])
+
+
+def _both_ways(tape, target, sources):
+    """The gradient asked for a list of variables (which TensorFlow may answer
+    directly) and for the same variables in a dict (always mapped)."""
+    listed = tape.gradient(target, list(sources))
+    mapped = tape.gradient(target, {str(i): s for i, s in enumerate(sources)})
+    return listed, [mapped[str(i)] for i in range(len(sources))]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "no write", "writes", "outer tape wrote first", "persistent tape re-entered", "reset", "read before a write",
+        "another tape's version adopted",
+    ],
+)
+def test_a_gradient_is_the_same_whichever_way_the_sources_are_given(case):
+    v, w, a = tf.Variable(2.0), tf.Variable(3.0), tf.Variable(0.5)
+    other = AssignAwareTape(persistent=True)
+    if case == "another tape's version adopted":
+        with other:
+            v.assign(a * v)  # the other tape's latest version of v...
+    outer = AssignAwareTape(persistent=True)
+    with outer:
+        if case == "another tape's version adopted":
+            with other:  # ...current again while it is open, here
+                v.assign_add(w)
+        if case == "outer tape wrote first":
+            v.assign(a * v)
+        tape = AssignAwareTape(persistent=True)
+        with tape:
+            if case == "persistent tape re-entered":
+                w.assign(a * w)
+        if case == "persistent tape re-entered":
+            v.assign(v * 2.0)  # while the tape is closed
+        with tape:
+            y0 = v * w
+            if case in ("writes", "persistent tape re-entered", "read before a write"):
+                v.assign_add(a * w)
+            if case == "reset":
+                v.assign(a * 4.0)
+                tape.reset()
+                v.assign_sub(a)
+            y = v * w * a + y0
+    listed, mapped = _both_ways(tape, y, [v, w, a])
+    assert_grads_close(listed, mapped)
+    outer_listed, outer_mapped = _both_ways(outer, y, [v, w, a])
+    assert_grads_close(outer_listed, outer_mapped)
