@@ -175,7 +175,8 @@ def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
             return method(self)
         handle = self._handle  # the version, a first read's checks included
         _writes.watch(scope, self)
-        d["_variable_read"] = True
+        if "_variable_read" in d:  # (TensorFlow 2.17 and later note a read)
+            d["_variable_read"] = True
         return read(handle, d["_dtype"])
 
     return _like(value, method)
