@@ -139,6 +139,10 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (config_lib, "DoNotConvert", "AutoGraph leaves our wrappers alone"),
     (ops.Operation, "_set_attr", "marking a body's version handle _grappler_do_not_remove"),
     (distribute_values, "_on_write_update_replica", "aggregated writes in replica context"),
+    (resource_variable_ops, "_UnreadVariable", "what the eager write short paths return"),
+    (BaseResourceVariable, "_lazy_read", "the write methods' result, which the short paths build as it does"),
+    (BaseResourceVariable, "_read_variable_op", "the read that the value() short path does as it does"),
+    (ops, "is_auto_dtype_conversion_enabled", "dtype promotion mode, left to TensorFlow's write methods"),
 ]
 
 
