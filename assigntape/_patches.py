@@ -369,6 +369,9 @@ def _serve_short_paths() -> None:
             continue  # served already (installed before, then uninstalled)
         original = vars(cls).get(name)  # TensorFlow's own there, or None: the base class's
         method = getattr(cls, name)
+        if not _short_paths.is_tensorflows(method):
+            # Someone wrapped it (before the first tape): theirs must run.
+            continue
         short = _short_paths.value_method(method) if name == "value" else _short_paths.write_method(name, method)
         _versions.served.append((cls, name, short, original))
 

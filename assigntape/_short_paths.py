@@ -19,6 +19,8 @@ TensorFlow's, and they are the hot path of every read and write.
 
 from __future__ import annotations
 
+import os
+import types
 from typing import Any, Callable, Dict
 
 from assigntape._tf import (
@@ -31,7 +33,7 @@ from assigntape._tf import (
 from assigntape import _rules, _versions, _writes
 from assigntape._wrapping import Wrapper
 
-__all__ = ["METHODS", "WRITE_METHODS", "value_method", "write_method"]
+__all__ = ["METHODS", "WRITE_METHODS", "is_tensorflows", "value_method", "write_method"]
 
 # The write methods -> the op each runs, and its generated function's name.
 WRITE_METHODS = {
@@ -43,9 +45,29 @@ WRITE_METHODS = {
 # Every method with a short path, on ``ResourceVariable``.
 METHODS = ("value", *WRITE_METHODS)
 
+# False sends every call to TensorFlow's methods (and the op wrappers), as
+# before the short paths: the tests run programs both ways.
+enabled = True
+
 _RESOURCE_VARIABLE = resource_variable_ops.ResourceVariable
 _UNREAD_VARIABLE = resource_variable_ops._UnreadVariable
 _VARIANT = dtypes.variant
+
+
+def is_tensorflows(method: Any) -> bool:
+    """Whether ``method`` is TensorFlow's own (defined in
+    ``resource_variable_ops``, or ``weak_tensor_ops``' dtype-promotion
+    wrapper of such a one), not a wrapper someone else put there: that one
+    must run, and a short path would skip it."""
+    if type(method) is not types.FunctionType:  # (a proxy, e.g. wrapt's, forwards __code__)
+        return False
+    code = method.__code__
+    if code.co_filename.endswith(os.path.join("ops", "resource_variable_ops.py")):
+        return True
+    inner = getattr(method, "__wrapped__", None)
+    return code.co_filename.endswith(os.path.join("ops", "weak_tensor_ops.py")) and getattr(
+        getattr(inner, "__code__", None), "co_filename", ""
+    ).endswith(os.path.join("ops", "resource_variable_ops.py"))
 
 
 def _op(snake: str) -> Callable[..., Any]:
@@ -71,7 +93,7 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     assigns = name == "assign"
 
     def write(self: Any, value: Any, use_locking: Any, name: Any, read_value: bool) -> Any:
-        scope = _versions.short_path_scope(self)
+        scope = _versions.short_path_scope(self) if enabled else None
         if scope is None or ops.is_auto_dtype_conversion_enabled():
             # (TensorFlow's method, in that mode, promotes the value's dtype first.)
             return method(self, value, use_locking, name, read_value)
@@ -170,7 +192,7 @@ def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
             or d.get("_dtype") is _VARIANT
         ):
             return method(self)
-        scope = _versions.eager_scope()
+        scope = _versions.eager_scope() if enabled else None
         if scope is None:
             return method(self)
         handle = self._handle  # the version, a first read's checks included

@@ -125,6 +125,20 @@ def test_random_programs_eager(program):
         _check_finite_differences(program, grads)
 
 
+@settings(max_examples=_n(60))
+@given(programs())
+def test_random_programs_eager_through_tensorflows_methods(program):
+    """The same check with the eager short paths of the variable methods off
+    (``_short_paths``): the op wrappers alone give the rewrite's answer too."""
+    from assigntape import _short_paths
+
+    _short_paths.enabled = False
+    try:
+        compare(program)
+    finally:
+        _short_paths.enabled = True
+
+
 @settings(max_examples=_n(25))
 @given(st.sampled_from([True, "xla"]).flatmap(lambda mode: st.tuples(programs(compiled=mode), st.just(mode))))
 def test_random_programs_compiled(program_and_mode):

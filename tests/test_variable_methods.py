@@ -214,3 +214,50 @@ def test_a_gradient_is_the_same_whichever_way_the_sources_are_given(case):
     assert_grads_close(listed, mapped)
     outer_listed, outer_mapped = _both_ways(outer, y, [v, w, a])
     assert_grads_close(outer_listed, outer_mapped)
+
+
+_WRAPPED_FIRST = r"""
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import functools
+import wrapt
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops as rvo
+
+calls = []
+assign = rvo.ResourceVariable.assign
+
+@functools.wraps(assign)
+def clipped(self, value, *args, **kwargs):  # someone's wrapper, before any tape
+    calls.append("assign")
+    return assign(self, tf.clip_by_value(value, -1.0, 1.0), *args, **kwargs)
+
+rvo.ResourceVariable.assign = clipped
+
+def counted(wrapped, instance, args, kwargs):
+    calls.append("assign_add")
+    return wrapped(*args, **kwargs)
+
+wrapt.wrap_function_wrapper(rvo.ResourceVariable, "assign_add", counted)
+
+from assigntape import AssignAwareTape
+v, x = tf.Variable([0.0, 0.0, 0.0]), tf.Variable([0.3, -0.7, 1.1])
+with AssignAwareTape() as tape:
+    v.assign(3.0 * x)
+    v.assign_add(x)
+    y = tf.reduce_sum(v)
+print(repr((v.numpy().tolist(), tape.gradient(y, x).numpy().tolist(), calls)))
+"""
+
+
+def test_a_method_someone_wrapped_before_the_first_tape_keeps_their_wrapper():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _WRAPPED_FIRST], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    values, grad, calls = eval(out.stdout.strip().splitlines()[-1])
+    # clip(3x) + x, and its gradient 3 * [|3x| < 1] + 1.
+    np.testing.assert_allclose(values, [0.9 + 0.3, -1.0 - 0.7, 1.0 + 1.1], rtol=1e-6)
+    np.testing.assert_allclose(grad, [4.0, 1.0, 1.0])
+    assert calls == ["assign", "assign_add"]
