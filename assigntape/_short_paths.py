@@ -126,9 +126,11 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
 
 # The attributes in which two eager ``_UnreadVariable``s of different
 # variables differ; every other one is the same for all (their defaults).
-_PER_VARIABLE = {"_handle", "_shape", "_dtype", "_unique_id"}
+_PER_VARIABLE = {"_handle", "_shape", "_dtype", "_unique_id", "_graph_key"}
 # One eager ``_UnreadVariable``'s attributes, or False where this TensorFlow's
 # differ in more than ``_PER_VARIABLE`` (checked once, ``_template``).
+# (``_graph_key``: the default graph's, which eagerly is the same for all
+# but inside ``tf.init_scope()`` or ``as_default()``.)
 _unread_template: Any = None
 
 
@@ -136,7 +138,7 @@ def _lazy_read(var: Any, shape: Any) -> Any:
     """``var._lazy_read(None)`` eagerly: the ``_UnreadVariable`` TensorFlow's
     write methods return, given the variable's own handle. Its constructor
     runs TensorFlow's variable initialization (about 7 us); every eager one
-    gets the same attributes but for four, so the others are copied from a
+    gets the same attributes but for five, so the others are copied from a
     template."""
     d = var.__dict__
     template = _unread_template if _unread_template is not None else _template(var)
@@ -149,6 +151,10 @@ def _lazy_read(var: Any, shape: Any) -> Any:
     attributes.update(template)
     attributes["_handle"], attributes["_shape"] = d["_handle"], shape
     attributes["_dtype"], attributes["_unique_id"] = d["_dtype"], d["_unique_id"]
+    attributes["_graph_key"] = ops.get_default_graph()._graph_key
+    # As the handle descriptor's ``__set__`` would: a kept result names its
+    # variable's handle for later tapes (a variable made after uninstall()).
+    _versions.note_handle(unread, d["_handle"])
     return unread
 
 
