@@ -50,6 +50,7 @@ METHODS = ("value", *WRITE_METHODS)
 enabled = True
 
 _RESOURCE_VARIABLE = resource_variable_ops.ResourceVariable
+_GRAPH_STACK = ops._default_graph_stack
 _UNREAD_VARIABLE = resource_variable_ops._UnreadVariable
 _VARIANT = dtypes.variant
 
@@ -129,8 +130,7 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
 _PER_VARIABLE = {"_handle", "_shape", "_dtype", "_unique_id", "_graph_key"}
 # One eager ``_UnreadVariable``'s attributes, or False where this TensorFlow's
 # differ in more than ``_PER_VARIABLE`` (checked once, ``_template``).
-# (``_graph_key``: the default graph's, which eagerly is the same for all
-# but inside ``tf.init_scope()`` or ``as_default()``.)
+# (``_graph_key``: the default graph's.)
 _unread_template: Any = None
 
 
@@ -151,7 +151,7 @@ def _lazy_read(var: Any, shape: Any) -> Any:
     attributes.update(template)
     attributes["_handle"], attributes["_shape"] = d["_handle"], shape
     attributes["_dtype"], attributes["_unique_id"] = d["_dtype"], d["_unique_id"]
-    attributes["_graph_key"] = ops.get_default_graph()._graph_key
+    attributes["_graph_key"] = ops.get_default_graph()._graph_key  # (the global graph may be replaced)
     # As the handle descriptor's ``__set__`` would: a kept result names its
     # variable's handle for later tapes (a variable made after uninstall()).
     _versions.note_handle(unread, d["_handle"])
@@ -199,7 +199,9 @@ def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
         ):
             return method(self)
         scope = _versions.eager_scope() if enabled else None
-        if scope is None:
+        if scope is None or _GRAPH_STACK.stack:
+            # (Inside ``tf.init_scope()`` while tracing, the function's graph
+            # notes the variables read: TensorFlow's method does that.)
             return method(self)
         handle = self._handle  # the version, a first read's checks included
         _writes.watch(scope, self)

@@ -143,6 +143,7 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (BaseResourceVariable, "_lazy_read", "the write methods' result, which the short paths build as it does"),
     (BaseResourceVariable, "_read_variable_op", "the read that the value() short path does as it does"),
     (ops, "is_auto_dtype_conversion_enabled", "dtype promotion mode, left to TensorFlow's write methods"),
+    (ops, "_default_graph_stack", "eager with no graph pushed: where the short paths apply"),
 ]
 
 

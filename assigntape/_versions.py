@@ -761,20 +761,17 @@ def serves_own_handles() -> bool:
 
 def short_path_scope(var: Any) -> Optional[Scope]:
     """The eager scope where a write method of ``var`` may take its short
-    path (``_short_paths.write_method``), else None: executing eagerly, in a
-    thread whose tape is the only one open in any thread (none could have
-    seen the variable), not acting for a replica, on a plain differentiable
+    path (``_short_paths.write_method``), else None: executing eagerly with
+    no graph made the default (not inside ``tf.init_scope()`` while a
+    function is traced, whose graph notes the variables used), in a thread
+    whose tape is the only one open in any thread (none could have seen the
+    variable), not acting for a replica, on a plain differentiable
     ``ResourceVariable`` (no distribution strategy's component)."""
-    scopes = getattr(_tls, "scopes", None)
-    if not scopes:
-        return None
-    ctx = _context._context
-    if ctx is None or not ctx._thread_local_data.is_eager:
-        return None
-    scope = scopes.get(None)
+    scope = eager_scope()
     if (
         scope is None
-        or len(scopes) < len(_all_scopes)
+        or _GRAPH_STACK.stack
+        or len(_tls.scopes) < len(_all_scopes)
         or getattr(_tls, "merging", ())
         or type(var) is not _RESOURCE_VARIABLE
         or var.__dict__.get("_distribute_strategy") is not None
@@ -923,6 +920,11 @@ def call_context() -> Optional[Tuple[Scope, Optional["Branch"]]]:
     if executing_eagerly() or scope.key is ops.get_default_graph():
         return scope, None
     return scope, _current_branch()
+
+
+# The default-graph stack (per thread): empty while executing eagerly
+# outside every ``as_default()`` and function trace.
+_GRAPH_STACK = ops._default_graph_stack
 
 
 def eager_scope() -> Optional[Scope]:

@@ -222,13 +222,7 @@ def watch(scope: _versions.Scope, var: Any) -> None:
     it ends in, without its Python layers: about ten microseconds a write."""
     if scope.key is not None or var.__dict__.get("_distribute_strategy") is not None:
         resource_variable_ops.variable_accessed(var)
-        return
-    graph = ops.get_default_graph()
-    if graph.building_function:
-        # Eager inside ``tf.init_scope()`` while a function is traced: the
-        # function notes the variables it uses, as TensorFlow's does.
-        graph.watch_variable(var)
-    if var.trainable:
+    elif var.trainable:
         pywrap_tfe.TFE_Py_TapeVariableAccessed(var)
         pywrap_tfe.TFE_Py_VariableWatcherVariableAccessed(var)
 
