@@ -49,8 +49,6 @@ METHODS = ("value", *WRITE_METHODS)
 # before the short paths: the tests run programs both ways.
 enabled = True
 
-_RESOURCE_VARIABLE = resource_variable_ops.ResourceVariable
-_GRAPH_STACK = ops._default_graph_stack
 _UNREAD_VARIABLE = resource_variable_ops._UnreadVariable
 _VARIANT = dtypes.variant
 
@@ -190,18 +188,13 @@ def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
 
     def value(self: Any) -> Any:
         d = self.__dict__
+        scope = _versions.short_path_read_scope(self) if enabled else None
         if (
-            type(self) is not _RESOURCE_VARIABLE
+            scope is None
             or d.get("_cached_value") is not None
             or d.get("_caching_device") is not None
-            or d.get("_distribute_strategy") is not None
             or d.get("_dtype") is _VARIANT
         ):
-            return method(self)
-        scope = _versions.eager_scope() if enabled else None
-        if scope is None or _GRAPH_STACK.stack:
-            # (Inside ``tf.init_scope()`` while tracing, the function's graph
-            # notes the variables read: TensorFlow's method does that.)
             return method(self)
         handle = self._handle  # the version, a first read's checks included
         _writes.watch(scope, self)

@@ -293,8 +293,8 @@ _active_at = 0.0
 IDLE_SECONDS = 0.05
 # (class, attribute, what is put there, what was there or None) while a
 # scope is open: the handle descriptor (on a class that has none, so that
-# taking it off leaves the instance's), and the eager write methods' short
-# path (``_writes.eager_method``).
+# taking it off leaves the instance's), and the eager short paths of a
+# variable's methods (``_short_paths``).
 served: List[Tuple[Any, str, Any, Any]] = []
 # (owner, attribute, original, wrapper) of the patches ``_patches`` puts in
 # place only while ``_with_unnamed`` is not empty (``accessed``): every
@@ -759,24 +759,29 @@ def serves_own_handles() -> bool:
     )
 
 
-def short_path_scope(var: Any) -> Optional[Scope]:
-    """The eager scope where a write method of ``var`` may take its short
-    path (``_short_paths.write_method``), else None: executing eagerly with
-    no graph made the default (not inside ``tf.init_scope()`` while a
-    function is traced, whose graph notes the variables used), in a thread
-    whose tape is the only one open in any thread (none could have seen the
-    variable), not acting for a replica, on a plain differentiable
-    ``ResourceVariable`` (no distribution strategy's component)."""
+def short_path_read_scope(var: Any) -> Optional[Scope]:
+    """This thread's eager scope where a method of ``var`` may take its short
+    path (``_short_paths``), else None: executing eagerly with no graph made
+    the default (not inside ``tf.init_scope()`` while a function is traced,
+    whose graph notes the variables used), on a plain ``ResourceVariable``
+    (no distribution strategy's component)."""
     scope = eager_scope()
     if (
         scope is None
         or _GRAPH_STACK.stack
-        or len(_tls.scopes) < len(_all_scopes)
-        or getattr(_tls, "merging", ())
         or type(var) is not _RESOURCE_VARIABLE
         or var.__dict__.get("_distribute_strategy") is not None
-        or not differentiable(var)
     ):
+        return None
+    return scope
+
+
+def short_path_scope(var: Any) -> Optional[Scope]:
+    """``short_path_read_scope``, for a write method: also in a thread whose
+    tape is the only one open in any thread (none could have seen the
+    variable), not acting for a replica, on a differentiable variable."""
+    scope = short_path_read_scope(var)
+    if scope is None or len(_tls.scopes) < len(_all_scopes) or getattr(_tls, "merging", ()) or not differentiable(var):
         return None
     return scope
 
