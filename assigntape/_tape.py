@@ -310,6 +310,7 @@ class AssignAwareTape(tf.GradientTape):
         if target is None:
             return super().gradient(target, sources, output_gradients, unconnected_gradients)
         record = self._record
+        finish = None
         if (
             not record.suspects
             and record.versions_start_own()
@@ -319,12 +320,36 @@ class AssignAwareTape(tf.GradientTape):
             # Every variable's first version here is its own handle, the
             # sources are plain variables, the target a tensor, and
             # ``v.handle`` (which TensorFlow takes) is the variable's own:
-            # TensorFlow's answer is the tape's. Asked
-            # with no Python work of ours first: such work (mapping the
-            # sources, below) was measured to slow TensorFlow's backward pass
-            # that follows by about three times its own time (+40 us on a
-            # 1.3 ms backward pass; cause not found).
-            return self._tensorflows_gradient(target, sources, output_gradients, unconnected_gradients)
+            # TensorFlow's answer is the tape's, asked with nothing mapped.
+            given: Any = sources
+        else:
+            target, given, unconnected_gradients, finish = self._mapped_question(target, sources, unconnected_gradients)
+        # TensorFlow's gradient is called from this very frame, past the plain
+        # tapes' follower (``_plain_tapes.tensorflows_gradient``): every frame
+        # between the caller and TensorFlow costs each op of the backward pass.
+        # A non-persistent tape is done once asked: writes need no following
+        # from here, and while a closed tape is followed every patched
+        # function does its work, in the backward pass too.
+        done = not self._persistent
+        if done:
+            self._end_lease()
+        _control_flow.differentiating(1)
+        try:
+            grads = _plain_tapes.tensorflows_gradient()(self, target, given, output_gradients, unconnected_gradients)
+        except BaseException:
+            if done and self._tape is not None and self._scope is None:
+                self._start_lease()  # closed, and TensorFlow kept the record: it may be asked again
+            raise
+        finally:
+            _control_flow.differentiating(-1)
+        return grads if finish is None else finish(grads)
+
+    def _mapped_question(self, target: Any, sources: Any, unconnected_gradients: Any) -> Tuple[Any, List[Any], Any, Any]:
+        """``gradient``'s question as TensorFlow must be asked it: the target
+        mapped to versions, the sources given as versions (or variables where
+        that is the same), ``unconnected_gradients`` for TensorFlow, and the
+        function that makes TensorFlow's answer the tape's."""
+        record = self._record
         if record.suspects:
             _control_flow.complete_record(record)
         # A flat list or tuple (of variables and tensors, the usual sources)
@@ -346,7 +371,7 @@ class AssignAwareTape(tf.GradientTape):
         plain = not _versions.open_here()
         given: List[Any] = []
         # (``Record.first_version``, inlined: every source asks it.)
-        versions, start = self._record.versions, self._record.start
+        versions, start = record.versions, record.start
         for s in flat_sources:
             if type(s) is _RESOURCE_VARIABLE and "_handle" in s.__dict__:
                 var = s  # the usual case, without resolve()'s questions
@@ -367,35 +392,18 @@ class AssignAwareTape(tf.GradientTape):
         else:
             mapped_target = nest.map_structure(lambda t: self._version(t, -1), target)
         zero = unconnected_gradients in (UnconnectedGradients.ZERO, "zero")
-        flat_grads = self._tensorflows_gradient(
-            mapped_target, given, output_gradients, UnconnectedGradients.NONE if zero else unconnected_gradients
-        )
-        if zero:
-            flat_grads = [
-                self._zeros_for(raw, mapped) if g is None else g
-                for g, raw, mapped in zip(flat_grads, flat_sources, mapped_sources)
-            ]
-        if simple:
-            return type(sources)(flat_grads)
-        return nest.pack_sequence_as(sources, flat_grads)
 
-    def _tensorflows_gradient(self, target: Any, sources: Any, output_gradients: Any, unconnected_gradients: Any) -> Any:
-        """``tf.GradientTape.gradient`` of what the tape's ``gradient`` mapped."""
-        # A non-persistent tape is done once asked: writes need no following
-        # from here, and while a closed tape is followed every patched
-        # function does its work, in the backward pass too.
-        done = not self._persistent
-        if done:
-            self._end_lease()
-        _control_flow.differentiating(1)
-        try:
-            return super().gradient(target, sources, output_gradients, unconnected_gradients)
-        except BaseException:
-            if done and self._tape is not None and self._scope is None:
-                self._start_lease()  # closed, and TensorFlow kept the record: it may be asked again
-            raise
-        finally:
-            _control_flow.differentiating(-1)
+        def finish(flat_grads: List[Any]) -> Any:
+            if zero:
+                flat_grads = [
+                    self._zeros_for(raw, mapped) if g is None else g
+                    for g, raw, mapped in zip(flat_grads, flat_sources, mapped_sources)
+                ]
+            if simple:
+                return type(sources)(flat_grads)
+            return nest.pack_sequence_as(sources, flat_grads)
+
+        return mapped_target, given, UnconnectedGradients.NONE if zero else unconnected_gradients, finish
 
     def jacobian(self, target: Any, sources: Any, *args: Any, **kwargs: Any) -> Any:
         """As ``tf.GradientTape.jacobian``; a variable target means its latest version."""
