@@ -33,7 +33,6 @@ import tensorflow as tf
 from assigntape._tf import (
     UnliftedInitializerVariable,
     array_ops,
-    backprop,
     ConcreteFunction,
     cond_v2,
     distribute_lib,
@@ -57,7 +56,7 @@ from assigntape._tf import (
 )
 
 from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _leases, _plain_tapes, _rules, _short_paths, _versions, _writes
-from assigntape._wrapping import Wrapper
+from assigntape._wrapping import Wrapper, patch
 
 __all__ = ["acquire", "follow_plain_tapes", "installed", "refuse_unfollowed_recorders", "release", "remove_unused", "uninstall"]
 
@@ -221,7 +220,7 @@ def _v1_slot_key(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
 # TensorFlow's own class, kept at import: code that swaps another class in
 # for ``backprop.GradientTape`` (assigntape.testing.swap_tape) must not
 # redirect the patches.
-_GRADIENT_TAPE = backprop.GradientTape
+_GRADIENT_TAPE = _plain_tapes.GRADIENT_TAPE
 
 
 def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
@@ -317,6 +316,11 @@ _ALWAYS_ON = (
     _plain_tapes.accumulator_jvp,
 )
 
+# Followers that let the original run from the patched method's own frame
+# for an instance that needs no following (``_wrapping.patch``): one Python
+# frame fewer under a plain tape's backward pass.
+_PASSES = {_plain_tapes.gradient: _plain_tapes.unfollowed}
+
 # In place only while a tape has seen a write through a handle no tape could
 # name: every variable read calls them (``_versions.read_checks``).
 _READ_CHECKS = (_versions.accessed,)
@@ -333,7 +337,7 @@ def _put(owner: Any, name: str, function: Callable[..., Any]) -> None:
         return  # a follower, in place since import
     if wrapper is None or wrapper.__wrapped__ is not original:
         active = function if function in _ALWAYS_ON or function in _READ_CHECKS else _dormant(function)
-        wrapper = _attribute_wrappers[(id(owner), name)] = Wrapper(original, active)
+        wrapper = _attribute_wrappers[(id(owner), name)] = patch(owner, original, active, _PASSES.get(function))
     _saved.append((owner, name, original))
     if function in _READ_CHECKS:
         # Put in place (and taken off) by ``_versions``, when there is something to check.

@@ -36,8 +36,8 @@ from assigntape._record import Record
 from assigntape._wrapping import bind
 
 __all__ = [
-    "accumulator_enter", "accumulator_exit", "accumulator_jvp", "enter", "exit", "gradient", "jacobian", "lease",
-    "note_closing", "refuse_recorders_outside_body", "reset", "tensorflows_gradient",
+    "GRADIENT_TAPE", "accumulator_enter", "accumulator_exit", "accumulator_jvp", "enter", "exit", "gradient", "jacobian", "lease",
+    "note_closing", "refuse_recorders_outside_body", "reset", "tensorflows_gradient", "unfollowed",
 ]
 
 _START = "_assigntape_start"
@@ -49,6 +49,10 @@ _HELD = "_assigntape_held"
 # The variables rebase_for_recorder read on a tape that does not watch
 # accessed variables (unique ids).
 _REBASED = "_assigntape_rebased"
+
+# TensorFlow's class, as at import (the testing toolkit may put a subclass in
+# its place in the module): the followers are installed on it.
+GRADIENT_TAPE = backprop.GradientTape
 
 # The plain tapes open in this thread (weak references), innermost last.
 
@@ -308,19 +312,24 @@ def tensorflows_gradient() -> Callable[..., Any]:
     that is measurable: TensorFlow keeps every eager op's Python stack (up to
     30 frames), about 35 ns a frame an op.
     """
-    method = vars(backprop.GradientTape)["gradient"]
+    method = vars(GRADIENT_TAPE)["gradient"]
     if getattr(method, "_self_wrapper", None) is gradient:  # (wrapt's name for the wrapper function)
         return method.__wrapped__
     return method
 
 
+def unfollowed(instance: Any) -> bool:
+    """Whether ``gradient`` is TensorFlow's for this tape: one of ours (which
+    maps its own question), or a plain tape never beside one of ours (a
+    variable means its own handle, which is what TensorFlow reads from it)."""
+    return not _is_plain(instance) or (
+        not _versions.any_scopes() and getattr(instance, _START, None) is None and _end(instance) is None
+    )
+
+
 def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``GradientTape.gradient`` of a plain tape: variables named as above."""
-    if not _is_plain(instance):
-        return wrapped(*args, **kwargs)
-    if not _versions.any_scopes() and getattr(instance, _START, None) is None and _end(instance) is None:
-        # Never beside a tape of ours: plain TensorFlow (a variable means its
-        # own handle, which is what TensorFlow reads from it here).
+    if unfollowed(instance):
         return wrapped(*args, **kwargs)
     arguments = bind(("target", "sources", "output_gradients", "unconnected_gradients"), args, kwargs)
     if (

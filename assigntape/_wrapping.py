@@ -1,17 +1,20 @@
-"""The wrapt plumbing every patch shares: one wrapper class, and argument binding.
+"""The plumbing every patch shares: the wrappers, and argument binding.
 
-Every patch is a ``wrapt.FunctionWrapper`` over TensorFlow's own function, with
-wrapt's one signature, ``(wrapped, instance, args, kwargs)``. The originals are
-never modified: uninstalling puts the very same objects back.
+Every patch calls a function with wrapt's one signature, ``(wrapped,
+instance, args, kwargs)``, around TensorFlow's own function: through a
+``wrapt.FunctionWrapper``, or, for a method defined on a class (``patch``),
+through a plain function. The originals are never modified: uninstalling puts
+the very same objects back.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+import types
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import wrapt
 
-__all__ = ["Wrapper", "bind", "params_of"]
+__all__ = ["Wrapper", "bind", "params_of", "patch"]
 
 
 class _BoundWrapper(wrapt.BoundFunctionWrapper):
@@ -28,6 +31,41 @@ class Wrapper(wrapt.FunctionWrapper):
     # TensorFlow's own functions unconverted either way.)
     autograph_info__: Dict[str, Any] = {}
     __bound_function_wrapper__ = _BoundWrapper
+
+
+def patch(
+    owner: Any, original: Any, function: Callable[..., Any], passes: Optional[Callable[[Any], bool]] = None
+) -> Any:
+    """What to put in place of ``original``, found on ``owner``, so that calls
+    go through ``function(wrapped, instance, args, kwargs)``.
+
+    A plain function defined on a class (a method: ``GradientTape.gradient``)
+    gets a plain function, which binds as the method did. wrapt's
+    ``FunctionWrapper`` binds in Python (a bound wrapper made at every
+    attribute lookup, and two Python frames a call), which a Keras train step
+    pays at every tape it opens, and every frame between a program and
+    TensorFlow's eager ops costs each op run below it (TensorFlow keeps every
+    eager op's Python stack). With ``passes(instance)`` true, ``original`` is
+    called from the method's own frame, without ``function``'s. Anything else
+    (a module's function, a class method) gets a ``Wrapper``.
+    """
+    if not isinstance(owner, type) or type(original) is not types.FunctionType:
+        return Wrapper(original, function)
+    if passes is None:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return function(original.__get__(self), self, args, kwargs)
+    else:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if passes(self):
+                return original(self, *args, **kwargs)
+            return function(original.__get__(self), self, args, kwargs)
+    for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
+        setattr(method, attribute, getattr(original, attribute))
+    method.__wrapped__ = original  # type: ignore[attr-defined]
+    method._self_wrapper = function  # type: ignore[attr-defined]  # (wrapt's name: one check finds either)
+    # As Wrapper's class attribute: AutoGraph calls it unconverted.
+    method.autograph_info__ = {}  # type: ignore[attr-defined]
+    return method
 
 
 def params_of(function: Callable[..., Any]) -> List[str]:
