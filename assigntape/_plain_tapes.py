@@ -318,34 +318,33 @@ def tensorflows_gradient() -> Callable[..., Any]:
     return method
 
 
-def unfollowed(instance: Any) -> bool:
-    """Whether ``gradient`` is TensorFlow's for this tape: one of ours (which
-    maps its own question), or a plain tape never beside one of ours (a
-    variable means its own handle, which is what TensorFlow reads from it)."""
-    return not _is_plain(instance) or (
-        not _versions.any_scopes() and getattr(instance, _START, None) is None and _end(instance) is None
-    )
+_GRADIENT_PARAMS = ("target", "sources", "output_gradients", "unconnected_gradients")
+
+
+def unfollowed(instance: Any, args: Any, kwargs: Any) -> bool:
+    """Whether ``gradient`` is TensorFlow's for this tape and question: the tape
+    is one of ours (which maps its own question), or a plain tape never beside
+    one of ours, or one opened with no version about and none made since,
+    asked a question with nothing to map (``_versions.plain_question``): each
+    variable source means its own handle, which TensorFlow takes from it."""
+    if not _is_plain(instance):
+        return True
+    start = getattr(instance, _START, None)
+    if not _versions.any_scopes() and start is None and _end(instance) is None:
+        return True
+    if start or _REBASED in instance.__dict__:
+        return False
+    arguments = bind(_GRADIENT_PARAMS, args, kwargs)
+    return _versions.plain_question(
+        arguments.get("target"), arguments.get("sources"), arguments.get("unconnected_gradients", UnconnectedGradients.NONE)
+    ) and _versions.serves_own_handles()
 
 
 def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``GradientTape.gradient`` of a plain tape: variables named as above."""
-    if unfollowed(instance):
+    if unfollowed(instance, args, kwargs):
         return wrapped(*args, **kwargs)
-    arguments = bind(("target", "sources", "output_gradients", "unconnected_gradients"), args, kwargs)
-    if (
-        not getattr(instance, _START, None)
-        and _REBASED not in instance.__dict__
-        and _versions.plain_question(
-            arguments.get("target"), arguments.get("sources"),
-            arguments.get("unconnected_gradients", UnconnectedGradients.NONE),
-        )
-        and _versions.serves_own_handles()
-    ):
-        # Opened with no version about, and none made since: each variable
-        # source means its own handle, which TensorFlow takes from it (as in
-        # AssignAwareTape.gradient: no mapping first, which slows TensorFlow's
-        # backward pass).
-        return wrapped(*args, **kwargs)
+    arguments = bind(_GRADIENT_PARAMS, args, kwargs)
     open_now = bool(getattr(instance, "_recording", False))
     start, end = getattr(instance, _START, None), _end(instance)
     sources = arguments["sources"]

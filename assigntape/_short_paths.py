@@ -51,6 +51,7 @@ enabled = True
 
 _UNREAD_VARIABLE = resource_variable_ops._UnreadVariable
 _VARIANT = dtypes.variant
+_EAGER_TENSOR = ops.EagerTensor
 
 
 def is_tensorflows(method: Any) -> bool:
@@ -96,11 +97,13 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         if scope is None or ops.is_auto_dtype_conversion_enabled():
             # (TensorFlow's method, in that mode, promotes the value's dtype first.)
             return method(self, value, use_locking, name, read_value)
-        value = ops.convert_to_tensor(value, dtype=self.dtype)
+        dtype = self._dtype
+        if type(value) is not _EAGER_TENSOR or value.dtype is not dtype:  # (dtypes are interned)
+            value = ops.convert_to_tensor(value, dtype=dtype)
         shape = self._shape
         if assigns and value.shape != shape:
             return method(self, value, use_locking, name, read_value)  # TensorFlow's error, or a broadcast
-        handle = self._handle  # the current version, which TensorFlow's method writes through
+        handle = _versions.serve_handle(scope, self, self.__dict__)  # self._handle: the version TensorFlow's method writes through
         arguments: Dict[str, Any] = {"resource": handle, "value": value, "name": name}
         if assigns:
             arguments["validate_shape"] = self._validate_shape
@@ -196,7 +199,7 @@ def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
             or d.get("_dtype") is _VARIANT
         ):
             return method(self)
-        handle = self._handle  # the version, a first read's checks included
+        handle = _versions.serve_handle(scope, self, d)  # self._handle: the version, a first read's checks included
         _writes.watch(scope, self)
         if "_variable_read" in d:  # (TensorFlow 2.17 and later note a read)
             d["_variable_read"] = True

@@ -140,7 +140,7 @@ class Scope:
             # its entry goes with it, before its id can be reused.
             weakref.finalize(new, self.owners.pop, id(new), None)
         self.seen.add(uid)
-        self.canonical[id(canonical_handle(var))] = var
+        self.canonical[id(var.__dict__["_handle"])] = var  # canonical_handle(var)
         for r in self.records:
             r.note_write(var, old, new, write)
 
@@ -1133,48 +1133,53 @@ def constructed(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
         note_handle(instance, handle)
 
 
+def serve_handle(scope: Scope, inst: Any, d: Dict[str, Any], handle: Any = None) -> Any:
+    """The handle the descriptor serves for ``inst`` (whose ``__dict__`` is
+    ``d``) in ``scope``, noted: ``handle`` if given (a cond branch's version),
+    else the variable's current version there. (The short paths call it with
+    the scope they found.)"""
+    uid = d.get("_unique_id")
+    if handle is None:
+        handle = scope.current.get(uid)
+        if handle is None:
+            handle = d.get("_handle")
+            if handle is None:
+                raise AttributeError("_handle")
+            if scope.dirty and id(handle) in scope.dirty:
+                return cut_on_first_read(scope, inst, handle)
+            if scope.unnamed:
+                refuse_unnamed(scope, inst, handle)
+    # Every handle served is noted, not only the first: a kept ``assign``
+    # result serves an older version of the same variable, and the
+    # other-thread check names writes by handle.
+    scope.owners[id(handle)] = inst
+    scope.seen.add(uid)
+    return handle
+
+
 class HandleDescriptor:
     """``BaseResourceVariable._handle`` while some scope is open: the current version."""
 
     def __get__(self, inst: Any, owner: Any = None) -> Any:
-        # Every read asks this three times (TensorFlow fetches ``v.handle`` that
-        # often), so the eager case, the common one, is inlined.
+        # Every read asks this two or three times (TensorFlow fetches
+        # ``v.handle`` that often, and once more for each tape watching).
         if inst is None:
             return self
         d = inst.__dict__
         scopes = getattr(_tls, "scopes", None)
         if scopes:
-            uid = d.get("_unique_id")
             ctx = _context._context
             if ctx is not None and ctx._thread_local_data.is_eager:
                 scope = scopes.get(None)
-                handle = None if scope is None else scope.current.get(uid)
+                if scope is not None:
+                    return serve_handle(scope, inst, d)
             else:
                 scope = _enclosing_scope(scopes)
-                handle = None if scope is None else scope.current.get(uid)
-                branches = getattr(_tls, "branches", None)
-                if scope is not None and branches:
+                if scope is not None:
+                    branches = getattr(_tls, "branches", None)
+                    branch = branches.get(ops.get_default_graph()) if branches else None
                     # Inside a cond branch that wrote the variable: its branch version.
-                    branch = branches.get(ops.get_default_graph())
-                    if branch is not None:
-                        written = branch.version_of_uid(uid)
-                        if written is not None:
-                            handle = written
-            if scope is not None:
-                if handle is None:
-                    handle = d.get("_handle")
-                    if handle is None:
-                        raise AttributeError("_handle")
-                    if scope.dirty and id(handle) in scope.dirty:
-                        return cut_on_first_read(scope, inst, handle)
-                    if scope.unnamed:
-                        refuse_unnamed(scope, inst, handle)
-                # Every handle served is noted, not only the first: a kept
-                # ``assign`` result serves an older version of the same
-                # variable, and the other-thread check names writes by handle.
-                scope.owners[id(handle)] = inst
-                scope.seen.add(d.get("_unique_id"))
-                return handle
+                    return serve_handle(scope, inst, d, None if branch is None else branch.version_of_uid(d.get("_unique_id")))
         try:
             return d["_handle"]
         except KeyError:

@@ -34,7 +34,7 @@ class Wrapper(wrapt.FunctionWrapper):
 
 
 def patch(
-    owner: Any, original: Any, function: Callable[..., Any], passes: Optional[Callable[[Any], bool]] = None
+    owner: Any, original: Any, function: Callable[..., Any], passes: Optional[Callable[[Any, Any, Any], bool]] = None
 ) -> Any:
     """What to put in place of ``original``, found on ``owner``, so that calls
     go through ``function(wrapped, instance, args, kwargs)``.
@@ -45,8 +45,8 @@ def patch(
     attribute lookup, and two Python frames a call), which a Keras train step
     pays at every tape it opens, and every frame between a program and
     TensorFlow's eager ops costs each op run below it (TensorFlow keeps every
-    eager op's Python stack). With ``passes(instance)`` true, ``original`` is
-    called from the method's own frame, without ``function``'s. Anything else
+    eager op's Python stack). With ``passes(instance, args, kwargs)`` true,
+    ``original`` is called from the method's own frame, without ``function``'s. Anything else
     (a module's function, a class method) gets a ``Wrapper``.
     """
     if not isinstance(owner, type) or type(original) is not types.FunctionType:
@@ -56,7 +56,7 @@ def patch(
             return function(original.__get__(self), self, args, kwargs)
     else:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if passes(self):
+            if passes(self, args, kwargs):
                 return original(self, *args, **kwargs)
             return function(original.__get__(self), self, args, kwargs)
     for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):

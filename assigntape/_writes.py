@@ -72,7 +72,7 @@ def write_here(
     old = scope.current_version(var)
     write = rule.prepare(var, old, arguments)
     old_shape = None if var.shape.is_fully_defined() else _versions.dynamic_shape(old)
-    forward = _forward_value(rule, var, old, write, arguments)
+    forward = _forward_value(rule, var, old, write, arguments, scope.key is None)
     # The real write. If it raises (bad shape or dtype, duplicate indices),
     # nothing below runs: the tape and the variable stay as they were.
     if write.checks:
@@ -198,7 +198,7 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
     return wrapper
 
 
-def _forward_value(rule: _rules.Rule, var: Any, old: Any, write: _rules.Write, arguments: Dict[str, Any]) -> Any:
+def _forward_value(rule: _rules.Rule, var: Any, old: Any, write: _rules.Write, arguments: Dict[str, Any], eager: bool) -> Any:
     """The write's new value as plain ops on the previous version, when a
     ``ForwardAccumulator`` has a tangent for an input of the write (else None):
     computed before the write, which overwrites the previous value."""
@@ -206,8 +206,10 @@ def _forward_value(rule: _rules.Rule, var: Any, old: Any, write: _rules.Write, a
         return None
     # In a function, an accumulator watches the handle the function captured
     # (as TensorFlow's does: convert_to_tensor of the eager handle), not the
-    # eager handle a variable not yet written here is known by.
-    _, tangents = pywrap_tfe.TFE_Py_PackJVPs([ops.convert_to_tensor(old), *write.inputs])
+    # eager handle a variable not yet written here is known by. (Eagerly,
+    # ``old`` is a handle already.)
+    first = old if eager else ops.convert_to_tensor(old)
+    _, tangents = pywrap_tfe.TFE_Py_PackJVPs([first, *write.inputs])
     if not tangents:
         return None
     return rule.value(gen_resource_variable_ops.read_variable_op(old, var.dtype), arguments)
