@@ -38,9 +38,10 @@ def test_the_write_ops_and_the_handle_are_among_the_patched_places():
         assert place in PATCHED, place
 
 
-# Served only while a tape is open: the handle descriptor, and the short
-# paths of the eager reads and writes.
-SERVED = {(rvo.BaseResourceVariable, "_handle")} | {(rvo.ResourceVariable, name) for name in ("value", "assign", "assign_add", "assign_sub")}
+# Served only while a tape is open: the handle descriptor (for ``_handle``,
+# and for the ``handle`` property that returns it), and the short paths of the
+# eager reads and writes.
+SERVED = {(rvo.BaseResourceVariable, "_handle"), (rvo.BaseResourceVariable, "handle")} | {(rvo.ResourceVariable, name) for name in ("value", "assign", "assign_add", "assign_sub")}
 
 
 def _snapshot():
