@@ -24,7 +24,7 @@ import argparse
 import os
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -44,7 +44,7 @@ def programs() -> Dict[str, Callable[[List[float]], None]]:
     x, y = w.data(seed=2)
     clock = time.perf_counter
 
-    def written(tape_cls: type) -> Callable[[List[float]], None]:
+    def program(tape_cls: type, update: Callable[[List[Any]], List[Any]]) -> Callable[[List[float]], None]:
         def step(acc: List[float]) -> None:
             t = [clock()]
             for p, s in zip(params, start):
@@ -56,10 +56,9 @@ def programs() -> Dict[str, Callable[[List[float]], None]]:
                 t.append(clock())
                 grads = inner.gradient(inner_loss, params)
                 t.append(clock())
-                for p, g in zip(params, grads):
-                    p.assign_sub(lr * g)
+                weights = update(grads)
                 t.append(clock())
-                outer_loss = tf.reduce_mean((w.forward(params, x) - 2.0 * y) ** 2)
+                outer_loss = tf.reduce_mean((w.forward(weights, x) - 2.0 * y) ** 2)
                 t.append(clock())
             t.append(clock())
             outer.gradient(outer_loss, [lr] + params)
@@ -69,28 +68,19 @@ def programs() -> Dict[str, Callable[[List[float]], None]]:
 
         return step
 
-    def functional(acc: List[float]) -> None:
-        t = [clock()]
-        for p, s in zip(params, start):
-            p.assign(s)
-        t.append(clock())
-        with tf.GradientTape() as outer:
-            with tf.GradientTape() as inner:
-                inner_loss = tf.reduce_mean((w.forward(params, x) - y) ** 2)
-            t.append(clock())
-            grads = inner.gradient(inner_loss, params)
-            t.append(clock())
-            fast = [p - lr * g for p, g in zip(params, grads)]
-            t.append(clock())
-            outer_loss = tf.reduce_mean((w.forward(fast, x) - 2.0 * y) ** 2)
-            t.append(clock())
-        t.append(clock())
-        outer.gradient(outer_loss, [lr] + params)
-        t.append(clock())
-        for i in range(len(PHASES)):
-            acc[i] += t[i + 1] - t[i]
+    def write(grads: List[Any]) -> List[Any]:
+        for p, g in zip(params, grads):
+            p.assign_sub(lr * g)
+        return params
 
-    return {"written": written(AssignAwareTape), "functional": functional, "written, plain tape": written(tf.GradientTape)}
+    def rebind(grads: List[Any]) -> List[Any]:
+        return [p - lr * g for p, g in zip(params, grads)]
+
+    return {
+        "written": program(AssignAwareTape, write),
+        "functional": program(tf.GradientTape, rebind),
+        "written, plain tape": program(tf.GradientTape, write),
+    }
 
 
 def measure(rounds: int, steps: int) -> Dict[str, List[float]]:
