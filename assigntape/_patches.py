@@ -319,7 +319,11 @@ _ALWAYS_ON = (
 # Followers that let the original run from the patched method's own frame
 # for an instance that needs no following (``_wrapping.patch``): one Python
 # frame fewer under a plain tape's backward pass.
-_PASSES = {_plain_tapes.gradient: _plain_tapes.unfollowed}
+_PASSES = {
+    _plain_tapes.gradient: _plain_tapes.unfollowed,
+    _plain_tapes.enter: _plain_tapes.ours,
+    _plain_tapes.exit: _plain_tapes.ours,
+}
 
 # In place only while a tape has seen a write through a handle no tape could
 # name: every variable read calls them (``_versions.read_checks``).

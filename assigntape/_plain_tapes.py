@@ -37,7 +37,7 @@ from assigntape._wrapping import bind
 
 __all__ = [
     "GRADIENT_TAPE", "accumulator_enter", "accumulator_exit", "accumulator_jvp", "enter", "exit", "gradient", "jacobian", "lease",
-    "note_closing", "refuse_recorders_outside_body", "reset", "tensorflows_gradient", "unfollowed",
+    "note_closing", "ours", "refuse_recorders_outside_body", "reset", "tensorflows_gradient", "unfollowed",
 ]
 
 _START = "_assigntape_start"
@@ -316,6 +316,12 @@ def tensorflows_gradient() -> Callable[..., Any]:
     if getattr(method, "_self_wrapper", None) is gradient:  # (wrapt's name for the wrapper function)
         return method.__wrapped__
     return method
+
+
+def ours(instance: Any, args: Any, kwargs: Any) -> bool:
+    """Whether ``instance`` is a tape of ours, which ``enter`` and ``exit``
+    leave alone (its own methods do the work)."""
+    return not _is_plain(instance)
 
 
 _GRADIENT_PARAMS = ("target", "sources", "output_gradients", "unconnected_gradients")

@@ -30,7 +30,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
-PHASES = ["reset", "enter, inner forward", "inner gradient", "writes (rewrite: p - lr*g)", "outer forward", "exit", "outer gradient"]
+PHASES = ["reset", "enter", "inner forward", "inner gradient", "writes (rewrite: p - lr*g)", "outer forward", "exit", "outer gradient"]
 
 
 def programs() -> Dict[str, Callable[[List[float]], None]]:
@@ -51,6 +51,7 @@ def programs() -> Dict[str, Callable[[List[float]], None]]:
                 p.assign(s)
             t.append(clock())
             with tape_cls() as outer:
+                t.append(clock())
                 with tf.GradientTape() as inner:
                     inner_loss = tf.reduce_mean((w.forward(params, x) - y) ** 2)
                 t.append(clock())
