@@ -33,6 +33,7 @@ import tensorflow as tf
 from assigntape._tf import (
     UnliftedInitializerVariable,
     array_ops,
+    backprop,
     ConcreteFunction,
     cond_v2,
     distribute_lib,
@@ -220,7 +221,7 @@ def _v1_slot_key(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
 # TensorFlow's own class, kept at import: code that swaps another class in
 # for ``backprop.GradientTape`` (assigntape.testing.swap_tape) must not
 # redirect the patches.
-_GRADIENT_TAPE = _plain_tapes.GRADIENT_TAPE
+_GRADIENT_TAPE = backprop.GradientTape
 
 
 def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
@@ -257,6 +258,7 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (_GRADIENT_TAPE, "jacobian", _plain_tapes.jacobian),
         (_GRADIENT_TAPE, "batch_jacobian", _plain_tapes.jacobian),
         (_GRADIENT_TAPE, "reset", _plain_tapes.reset),
+        (_GRADIENT_TAPE, "watched_variables", _plain_tapes.watched_variables),
         (forwardprop.ForwardAccumulator, "__enter__", _plain_tapes.accumulator_enter),
         (forwardprop.ForwardAccumulator, "__exit__", _plain_tapes.accumulator_exit),
         (forwardprop.ForwardAccumulator, "jvp", _plain_tapes.accumulator_jvp),
@@ -311,6 +313,7 @@ _ALWAYS_ON = (
     _plain_tapes.gradient,
     _plain_tapes.jacobian,
     _plain_tapes.reset,
+    _plain_tapes.watched_variables,
     _plain_tapes.accumulator_enter,
     _plain_tapes.accumulator_exit,
     _plain_tapes.accumulator_jvp,
@@ -323,6 +326,7 @@ _PASSES = {
     _plain_tapes.gradient: _plain_tapes.unfollowed,
     _plain_tapes.enter: _plain_tapes.ours,
     _plain_tapes.exit: _plain_tapes.ours,
+    _plain_tapes.watched_variables: _plain_tapes.ours,
 }
 
 # In place only while a tape has seen a write through a handle no tape could

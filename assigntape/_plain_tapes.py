@@ -28,16 +28,16 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
-from assigntape._tf import ControlFlowFuncGraph, array_ops, backprop, forwardprop, gen_resource_variable_ops, nest, UnconnectedGradients
+from assigntape._tf import ControlFlowFuncGraph, array_ops, forwardprop, gen_resource_variable_ops, nest, UnconnectedGradients
 
 from assigntape import _control_flow, _leases, _versions
 from assigntape._errors import ControlFlowWriteError
 from assigntape._record import Record
-from assigntape._wrapping import bind
+from assigntape._wrapping import bind, binds
 
 __all__ = [
-    "GRADIENT_TAPE", "accumulator_enter", "accumulator_exit", "accumulator_jvp", "enter", "exit", "gradient", "jacobian", "lease",
-    "note_closing", "ours", "refuse_recorders_outside_body", "reset", "tensorflows_gradient", "unfollowed",
+    "accumulator_enter", "accumulator_exit", "accumulator_jvp", "enter", "exit", "gradient", "jacobian", "lease",
+    "note_closing", "ours", "refuse_recorders_outside_body", "reset", "tensorflows_gradient", "unfollowed", "watched_variables",
 ]
 
 _START = "_assigntape_start"
@@ -49,10 +49,6 @@ _HELD = "_assigntape_held"
 # The variables rebase_for_recorder read on a tape that does not watch
 # accessed variables (unique ids).
 _REBASED = "_assigntape_rebased"
-
-# TensorFlow's class, as at import (the testing toolkit may put a subclass in
-# its place in the module): the followers are installed on it.
-GRADIENT_TAPE = backprop.GradientTape
 
 # The plain tapes open in this thread (weak references), innermost last.
 
@@ -164,9 +160,10 @@ def accumulator_jvp(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     the accumulator was open, also once it is closed (TensorFlow's reads the
     variable's own handle then)."""
     end = getattr(instance, _END, None)
-    if end is None or getattr(instance, "_recording", False):
+    params = ("primals", "unconnected_gradients")
+    if end is None or getattr(instance, "_recording", False) or not binds(params, 1, args, kwargs):
         return wrapped(*args, **kwargs)
-    arguments = bind(("primals", "unconnected_gradients"), args, kwargs)
+    arguments = bind(params, args, kwargs)
     arguments["primals"] = nest.map_structure(lambda p: _map(p, end, False), arguments["primals"])
     return wrapped(**arguments)
 
@@ -187,6 +184,12 @@ def _opened(instance: Any) -> None:
             setattr(instance, _START, {})
         if held_in is key:
             _versions.resume_holder(instance, versions, record.written_while_closed)
+
+
+def _still_open(instance: Any) -> bool:
+    """Entered and not exited: recording, or paused (``stop_recording``), in
+    which case a variable target still means its latest version."""
+    return bool(getattr(instance, "_recording", False)) or any(ref() is instance for ref, _ in _open_plain())
 
 
 def _forget_open(instance: Any) -> None:
@@ -303,16 +306,21 @@ def _end(instance: Any) -> Optional[Dict[str, Any]]:
     return getattr(instance, _LATEST, None) if end is None else end
 
 
-def tensorflows_gradient() -> Callable[..., Any]:
-    """``tf.GradientTape.gradient`` for an ``AssignAwareTape`` to call: the
-    class's attribute, but TensorFlow's own function where that attribute is
-    the follower below, which does nothing for a tape of ours.
+def tensorflows_gradient(cls: type, after: type) -> Callable[..., Any]:
+    """The ``gradient`` that ``super(after, tape)`` finds for a tape of class
+    ``cls``, to call as a function: a subclass's own in between (a mixin's)
+    if any, else TensorFlow's own function, without the follower (``gradient``
+    below) the class attribute is, which does nothing for a tape of ours.
 
     Calling past it saves a Python frame under the whole backward pass, and
     that is measurable: TensorFlow keeps every eager op's Python stack (up to
     30 frames), about 35 ns a frame an op.
     """
-    method = vars(GRADIENT_TAPE)["gradient"]
+    mro = cls.__mro__
+    for klass in mro[mro.index(after) + 1 :]:
+        method = vars(klass).get("gradient")
+        if method is not None:
+            break
     if getattr(method, "_self_wrapper", None) is gradient:  # (wrapt's name for the wrapper function)
         return method.__wrapped__
     return method
@@ -348,10 +356,10 @@ def unfollowed(instance: Any, args: Any, kwargs: Any) -> bool:
 
 def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``GradientTape.gradient`` of a plain tape: variables named as above."""
-    if unfollowed(instance, args, kwargs):
+    if unfollowed(instance, args, kwargs) or not binds(_GRADIENT_PARAMS, 2, args, kwargs):
         return wrapped(*args, **kwargs)
     arguments = bind(_GRADIENT_PARAMS, args, kwargs)
-    open_now = bool(getattr(instance, "_recording", False))
+    open_now = _still_open(instance)
     start, end = getattr(instance, _START, None), _end(instance)
     sources = arguments["sources"]
     flat = nest.flatten(sources)
@@ -378,6 +386,15 @@ def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any)
     return nest.pack_sequence_as(sources, grads)
 
 
+def watched_variables(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``GradientTape.watched_variables``: each variable once. TensorFlow keeps
+    them by the id of the handle they were read through, so a variable read
+    through two of its versions would be listed twice."""
+    found = wrapped(*args, **kwargs)
+    unique = tuple({id(var): var for var in found}.values())
+    return unique if len(unique) < len(found) else found
+
+
 def jacobian(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``GradientTape.jacobian`` / ``batch_jacobian`` of a plain tape: a
     variable target means its version named as above. TensorFlow's jacobians
@@ -387,7 +404,7 @@ def jacobian(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any)
     var = _versions.resolve(target) if _is_plain(instance) else None
     if var is None:
         return wrapped(*args, **kwargs)
-    handle = _map(var, _end(instance), bool(getattr(instance, "_recording", False)))
+    handle = _map(var, _end(instance), _still_open(instance))
     with instance._ensure_recording():
         value = gen_resource_variable_ops.read_variable_op(handle, var.dtype)
     if args:

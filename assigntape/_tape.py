@@ -324,9 +324,10 @@ class AssignAwareTape(tf.GradientTape):
             given: Any = sources
         else:
             target, given, unconnected_gradients, finish = self._mapped_question(target, sources, unconnected_gradients)
-        # TensorFlow's gradient is called from this very frame, past the plain
-        # tapes' follower (``_plain_tapes.tensorflows_gradient``): every frame
-        # between the caller and TensorFlow costs each op of the backward pass.
+        # TensorFlow's gradient (or a mixin's, next in the MRO) is called from
+        # this very frame, past the plain tapes' follower
+        # (``_plain_tapes.tensorflows_gradient``): every frame between the
+        # caller and TensorFlow costs each op of the backward pass.
         # A non-persistent tape is done once asked: writes need no following
         # from here, and while a closed tape is followed every patched
         # function does its work, in the backward pass too.
@@ -335,7 +336,9 @@ class AssignAwareTape(tf.GradientTape):
             self._end_lease()
         _control_flow.differentiating(1)
         try:
-            grads = _plain_tapes.tensorflows_gradient()(self, target, given, output_gradients, unconnected_gradients)
+            grads = _plain_tapes.tensorflows_gradient(type(self), AssignAwareTape)(
+                self, target, given, output_gradients, unconnected_gradients
+            )
         except BaseException:
             if done and self._tape is not None and self._scope is None:
                 self._start_lease()  # closed, and TensorFlow kept the record: it may be asked again

@@ -20,10 +20,8 @@ what they cost without assigntape, and ``constructed`` notes new handles.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
-import types
 import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
@@ -1135,6 +1133,11 @@ def constructed(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
         note_handle(instance, handle)
 
 
+def _no_handle(inst: Any) -> AttributeError:
+    """Python's own error for the missing attribute, as without the descriptor."""
+    return AttributeError(f"{type(inst).__name__!r} object has no attribute '_handle'")
+
+
 def serve_handle(scope: Scope, inst: Any, d: Dict[str, Any], handle: Any = None) -> Any:
     """The handle the descriptor serves for ``inst`` (whose ``__dict__`` is
     ``d``) in ``scope``, noted: ``handle`` if given (a cond branch's version),
@@ -1146,7 +1149,7 @@ def serve_handle(scope: Scope, inst: Any, d: Dict[str, Any], handle: Any = None)
         if handle is None:
             handle = d.get("_handle")
             if handle is None:
-                raise AttributeError("_handle")
+                raise _no_handle(inst)
             if scope.dirty and id(handle) in scope.dirty:
                 return cut_on_first_read(scope, inst, handle)
             if scope.unnamed:
@@ -1162,14 +1165,11 @@ def serve_handle(scope: Scope, inst: Any, d: Dict[str, Any], handle: Any = None)
 class HandleDescriptor:
     """``BaseResourceVariable._handle`` while some scope is open: the current version."""
 
-    # What the class attribute itself gives (None: the descriptor).
-    _on_class: Any = None
-
     def __get__(self, inst: Any, owner: Any = None) -> Any:
         # Every read asks this two or three times (TensorFlow fetches
         # ``v.handle`` that often, and once more for each tape watching).
         if inst is None:
-            return self if self._on_class is None else self._on_class
+            return self
         d = inst.__dict__
         scopes = getattr(_tls, "scopes", None)
         if scopes:
@@ -1188,7 +1188,7 @@ class HandleDescriptor:
         try:
             return d["_handle"]
         except KeyError:
-            raise AttributeError("_handle") from None
+            raise _no_handle(inst) from None
 
     def __set__(self, inst: Any, value: Any) -> None:
         if type(inst) is _UNREAD_VARIABLE and isinstance(value, ops.EagerTensor):
@@ -1207,37 +1207,8 @@ class HandleDescriptor:
         del inst.__dict__["_handle"]
 
 
-class _HandleProperty(HandleDescriptor):
-    """``BaseResourceVariable.handle`` while some scope is open. TensorFlow's
-    property returns ``self._handle``; this serves the same handle, one Python
-    call fewer, and TensorFlow's C code asks it once for every tape at every
-    read (to watch the variable). Setting or deleting it fails as on the
-    property, which the class gives as before."""
-
-    def __init__(self, original: Any) -> None:
-        self._on_class = original
-
-    def __set__(self, inst: Any, value: Any) -> None:
-        self._on_class.__set__(inst, value)
-
-    def __delete__(self, inst: Any) -> None:
-        self._on_class.__delete__(inst)
-
-
-def _is_tensorflows_handle_property(prop: Any) -> bool:
-    """Whether ``prop`` is TensorFlow's ``handle`` property: ``return self._handle``, no setter."""
-    fget = getattr(prop, "fget", None)
-    return (
-        type(prop) is property and prop.fset is None and prop.fdel is None and type(fget) is types.FunctionType
-        and fget.__code__.co_filename.endswith(os.path.join("ops", "resource_variable_ops.py"))
-        and fget.__code__.co_names == ("_handle",)
-    )
-
-
 _READING = HandleDescriptor()
 served.append((_BASE_VARIABLE, "_handle", _READING, None))
-if _is_tensorflows_handle_property(vars(_BASE_VARIABLE).get("handle")):
-    served.append((_BASE_VARIABLE, "handle", _HandleProperty(vars(_BASE_VARIABLE)["handle"]), vars(_BASE_VARIABLE)["handle"]))
 _UNREAD_VARIABLE = resource_variable_ops._UnreadVariable
 
 

@@ -9,12 +9,13 @@ the very same objects back.
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import wrapt
 
-__all__ = ["Wrapper", "bind", "params_of", "patch"]
+__all__ = ["Wrapper", "bind", "binds", "params_of", "patch"]
 
 
 class _BoundWrapper(wrapt.BoundFunctionWrapper):
@@ -62,6 +63,9 @@ def patch(
     for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
         setattr(method, attribute, getattr(original, attribute))
     method.__wrapped__ = original  # type: ignore[attr-defined]
+    # inspect.getfullargspec (which TensorFlow's tf_inspect uses) does not
+    # follow ``__wrapped__``, but takes a ``__signature__``: the original's.
+    method.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
     method._self_wrapper = function  # type: ignore[attr-defined]  # (wrapt's name: one check finds either)
     # As Wrapper's class attribute: AutoGraph calls it unconverted.
     method.autograph_info__ = {}  # type: ignore[attr-defined]
@@ -79,3 +83,17 @@ def bind(params: Sequence[str], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -
     arguments = dict(zip(params, args))
     arguments.update(kwargs)
     return arguments
+
+
+def binds(params: Sequence[str], required: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    """Whether a call with ``args`` and ``kwargs`` binds to ``params``, the
+    first ``required`` of which have no default. Where it does not, a
+    follower calls the original as it was called, for Python's own error."""
+    if len(args) > len(params):
+        return False
+    positional = params[: len(args)]
+    for name in kwargs:
+        if name in positional or name not in params:
+            return False
+    return all(name in kwargs for name in params[len(args) : required])
+

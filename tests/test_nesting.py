@@ -583,3 +583,79 @@ def test_a_stop_inside_a_compiled_branch_hides_no_read():
     got = _none_as_nan(program())
     expected = _none_as_nan(_seen_reads(_second_order_through_a_stopped_write, x))
     np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+_BAD_CALLS = {
+    "extra positional": lambda f, y, w: f(y, [w], None, "none", "extra"),
+    "target twice": lambda f, y, w: f(y, [w], target=y),
+    "a required one missing": lambda f, y, w: f() if f.__name__ == "jvp" else f(y),
+}
+
+
+@pytest.mark.parametrize("call", list(_BAD_CALLS))
+@pytest.mark.parametrize("method", ["gradient", "jvp"])
+def test_a_followed_plain_tape_or_accumulator_called_wrongly_raises_pythons_error(method, call):
+    """A plain tape's ``gradient`` (or an accumulator's ``jvp``) that has
+    versions to map, called with arguments that do not bind, raises the
+    error TensorFlow's method raises, not a result or a KeyError (helper-31)."""
+
+    def outcome(beside):
+        v, w = tf.Variable(2.0), tf.Variable(3.0)
+        if method == "gradient":
+            with tf.GradientTape(persistent=True) as plain:
+                if beside:
+                    with AssignAwareTape():
+                        v.assign(v * w)
+                y = v * 1.0
+            f = plain.gradient
+        else:
+            with tf.autodiff.ForwardAccumulator(w, tf.constant(1.0)) as plain:
+                if beside:
+                    with AssignAwareTape():
+                        v.assign(v * w)
+                y = v * 1.0
+            f = plain.jvp
+        try:
+            _BAD_CALLS[call](f, y, w)
+        except TypeError as e:
+            return str(e)
+        return "no error"
+
+    expected = outcome(beside=False)
+    assert expected != "no error"
+    assert outcome(beside=True) == expected
+
+
+@modes
+@pytest.mark.parametrize("ask", ["gradient", "zero", "jacobian"])
+def test_a_plain_tape_asked_under_its_own_stop_recording_means_the_latest_version(mode, ask):
+    """A variable target of a plain tape that is still open means its latest
+    version, also while the tape is paused by its own ``stop_recording()``
+    (helper-31: it meant the variable's own handle there, giving None).
+    Rewrite: v1 = v0 * w, d v1 / d w = v0 = 2."""
+    v, w = tf.Variable(2.0), tf.Variable(3.0)
+
+    def program():
+        v.assign(2.0)
+        with AssignAwareTape():
+            with tf.GradientTape(persistent=True) as plain:
+                v.assign(v * w)
+                with plain.stop_recording():
+                    if ask == "jacobian":
+                        return plain.jacobian(v, w)
+                    return plain.gradient(v, [w], unconnected_gradients=ask if ask == "zero" else "none")[0]
+
+    assert float(run(mode, program)) == 2.0
+
+
+@pytest.mark.parametrize("outer", [AssignAwareTape, tf.GradientTape])
+def test_a_plain_tape_lists_a_variable_read_through_two_versions_once(outer):
+    """``watched_variables()`` of a plain tape lists each variable once, also
+    when it read one through two versions (TensorFlow keys them by handle;
+    helper-31 saw ``['v', 'w', 'v']``)."""
+    v, w = tf.Variable(2.0, name="v"), tf.Variable(3.0, name="w")
+    with outer():
+        with tf.GradientTape() as plain:
+            v.assign(v * w)
+            _ = v * v + w
+    assert [x.name for x in plain.watched_variables()] == ["v:0", "w:0"]

@@ -379,3 +379,26 @@ def test_a_gradient_asked_in_an_open_tape_does_not_mark_its_sources_read():
         thread.start()
         thread.join()
     assert outcome == ["wrote"] and float(v) == 5.0
+
+
+@pytest.mark.parametrize("sources", ["list", "dict"])
+def test_a_mixin_after_the_tape_in_the_mro_has_its_gradient_called(sources):
+    """``gradient`` calls what ``super()`` would (a cooperative subclass of
+    ``tf.GradientTape`` after ours in the MRO), on the direct path (a list of
+    variables) and the mapped one (a dict) alike (helper-31)."""
+    calls = []
+
+    class Logging(tf.GradientTape):
+        def gradient(self, target, sources, output_gradients=None, unconnected_gradients=tf.UnconnectedGradients.NONE):
+            calls.append(type(sources).__name__)
+            return super().gradient(target, sources, output_gradients, unconnected_gradients)
+
+    class Mine(AssignAwareTape, Logging):
+        pass
+
+    v = tf.Variable(2.0)
+    with Mine() as tape:
+        y = v * v
+    got = tape.gradient(y, [v] if sources == "list" else {"v": v})
+    assert float(got[0] if sources == "list" else got["v"]) == 4.0
+    assert calls == ["list"]  # TensorFlow is given a list either way
