@@ -602,19 +602,15 @@ def test_a_followed_plain_tape_or_accumulator_called_wrongly_raises_pythons_erro
     def outcome(beside):
         v, w = tf.Variable(2.0), tf.Variable(3.0)
         if method == "gradient":
-            with tf.GradientTape(persistent=True) as plain:
-                if beside:
-                    with AssignAwareTape():
-                        v.assign(v * w)
-                y = v * 1.0
-            f = plain.gradient
+            recorder = tf.GradientTape(persistent=True)
         else:
-            with tf.autodiff.ForwardAccumulator(w, tf.constant(1.0)) as plain:
-                if beside:
-                    with AssignAwareTape():
-                        v.assign(v * w)
-                y = v * 1.0
-            f = plain.jvp
+            recorder = tf.autodiff.ForwardAccumulator(w, tf.constant(1.0))
+        with recorder:
+            if beside:
+                with AssignAwareTape():
+                    v.assign(v * w)
+            y = v * 1.0
+        f = getattr(recorder, method)
         try:
             _BAD_CALLS[call](f, y, w)
         except TypeError as e:
