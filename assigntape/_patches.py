@@ -499,7 +499,7 @@ def patched_places() -> List[Tuple[Any, str]]:
         _build_wrappers()
     base = resource_variable_ops.BaseResourceVariable
     return (
-        [(owner, name) for owner, name, _, _ in _versions.served if owner is base]  # the handle's descriptors
+        [(base, "_handle")]
         + [(resource_variable_ops.ResourceVariable, name) for name in _short_paths.METHODS]
         + [(owner, name) for owner, name, _ in _attribute_patches()]
         + [(group.owner, name) for group in _groups for name in group.names]
