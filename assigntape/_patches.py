@@ -386,6 +386,9 @@ def _serve_short_paths() -> None:
             continue
         short = _short_paths.value_method(method) if name == "value" else _short_paths.write_method(name, method)
         _versions.served.append((cls, name, short, original))
+    conversion = vars(ops)["convert_to_tensor"]
+    if _short_paths.is_tensorflows_conversion(conversion) and not any(o is ops for o, _, _, _ in _versions.served):
+        _versions.served.append((ops, "convert_to_tensor", _short_paths.convert_function(conversion), conversion))
 
 
 def follow_plain_tapes() -> None:
@@ -501,6 +504,7 @@ def patched_places() -> List[Tuple[Any, str]]:
     return (
         [(base, "_handle")]
         + [(resource_variable_ops.ResourceVariable, name) for name in _short_paths.METHODS]
+        + [(ops, "convert_to_tensor")]
         + [(owner, name) for owner, name, _ in _attribute_patches()]
         + [(group.owner, name) for group in _groups for name in group.names]
     )

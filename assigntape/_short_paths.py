@@ -19,21 +19,25 @@ TensorFlow's, and they are the hot path of every read and write.
 
 from __future__ import annotations
 
+import inspect
 import os
 import types
 from typing import Any, Callable, Dict
 
 from assigntape._tf import (
     dtypes,
+    executing_eagerly,
     gen_resource_variable_ops,
     ops,
+    profiler_trace,
     resource_variable_ops,
+    tensor_conversion_registry,
 )
 
 from assigntape import _rules, _versions, _writes
 from assigntape._wrapping import Wrapper
 
-__all__ = ["METHODS", "WRITE_METHODS", "is_tensorflows", "value_method", "write_method"]
+__all__ = ["METHODS", "WRITE_METHODS", "convert_function", "is_tensorflows", "is_tensorflows_conversion", "value_method", "write_method"]
 
 # The write methods -> the op each runs, and its generated function's name.
 WRITE_METHODS = {
@@ -206,6 +210,81 @@ def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
         return read(handle, d["_dtype"])
 
     return _like(value, method)
+
+
+# TensorFlow's conversion of every resource variable, as registered; the
+# registry's per-type cache (cleared when anything is registered).
+_CONVERSION = resource_variable_ops._dense_var_to_tensor
+_CONVERSIONS_BY_TYPE = tensor_conversion_registry._tensor_conversion_func_cache
+_TO_TENSOR = resource_variable_ops.BaseResourceVariable._dense_var_to_tensor
+# (TensorFlow 2.16 keeps whether the profiler traces as a module global, later
+# ones ask a C function.)
+_tracing: Callable[[], bool] = (
+    profiler_trace.enabled if callable(profiler_trace.enabled) else (lambda: bool(profiler_trace.enabled))
+)
+
+
+def is_tensorflows_conversion(function: Any) -> bool:
+    """Whether ``function`` is TensorFlow's ``ops.convert_to_tensor`` (under
+    its profiler wrapper), not a wrapper someone else put there."""
+    inner = getattr(function, "__wrapped__", None)
+    code = getattr(inner, "__code__", None)
+    return (
+        code is not None
+        and code.co_filename.endswith(os.path.join("framework", "ops.py"))
+        and not hasattr(_RESOURCE_VARIABLE, "__tf_tensor__")  # (the registry would call that first)
+    )
+
+
+_RESOURCE_VARIABLE = resource_variable_ops.ResourceVariable
+
+
+def convert_function(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``ops.convert_to_tensor`` while a tape is open; ``original`` is TensorFlow's.
+
+    Every ``x @ v`` and ``v * x`` converts the variable through it: the
+    profiler's wrapper, the conversion registry, ``_dense_var_to_tensor``, and
+    then ``v.value()`` (the read short path), about 3 us of layers a read. For
+    a plain ``ResourceVariable`` converted eagerly as a value, to its own dtype
+    or none (asked or preferred), with the default result types, while the
+    registry still converts it with TensorFlow's function and the profiler is
+    not tracing: ``v.value()`` straight away, what those layers end in (the
+    registry then asks the eager tensor's ``__tf_tensor__``, which returns it).
+    Anything else (a graph, where a value may be captured) goes to
+    TensorFlow's function.
+    """
+    accepted_default = inspect.signature(original).parameters["accepted_result_types"].default
+
+    def convert_to_tensor(
+        value: Any,
+        dtype: Any = None,
+        name: Any = None,
+        as_ref: Any = False,
+        preferred_dtype: Any = None,
+        dtype_hint: Any = None,
+        ctx: Any = None,
+        accepted_result_types: Any = accepted_default,
+    ) -> Any:
+        if type(value) is _RESOURCE_VARIABLE and not as_ref and accepted_result_types is accepted_default and enabled:
+            own = value._dtype
+            preferred = preferred_dtype or dtype_hint  # (as TensorFlow's function takes it)
+            if (
+                (dtype is None or dtype is own)
+                and (preferred is None or preferred is own)
+                and executing_eagerly()
+                and _conversion_is_tensorflows()
+                and not _tracing()
+            ):
+                return value.value()
+        return original(value, dtype, name, as_ref, preferred_dtype, dtype_hint, ctx, accepted_result_types)
+
+    return _like(convert_to_tensor, original)
+
+
+def _conversion_is_tensorflows() -> bool:
+    # The registry's first match for the type is what it calls.
+    found = _CONVERSIONS_BY_TYPE.get(_RESOURCE_VARIABLE)
+    return bool(found) and found[0][1] is _CONVERSION and _RESOURCE_VARIABLE._dense_var_to_tensor is _TO_TENSOR
 
 
 def _like(function: Callable[..., Any], method: Callable[..., Any]) -> Callable[..., Any]:

@@ -48,6 +48,7 @@ try:
         dtypes,
         indexed_slices,
         ops,
+        tensor_conversion_registry,
         tensor_util,
     )
     from tensorflow.python.framework import tensor as tensor_lib
@@ -76,6 +77,8 @@ try:
     from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
     # A module that star-imports generated write ops (gen_tpu_ops).
     from tensorflow.python.tpu.ops import tpu_ops
+    # Whether TensorFlow's profiler traces (``ops.convert_to_tensor`` then notes itself).
+    from tensorflow.python.profiler import trace as profiler_trace
     # tf.compat.v1 optimizers, whose slots are keyed by variable.
     from tensorflow.python.training import optimizer as v1_optimizer
     from tensorflow.python.util import nest, variable_utils
@@ -144,6 +147,9 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (BaseResourceVariable, "_read_variable_op", "the read that the value() short path does as it does"),
     (ops, "is_auto_dtype_conversion_enabled", "dtype promotion mode, left to TensorFlow's write methods"),
     (ops, "_default_graph_stack", "eager with no graph pushed: where the short paths apply"),
+    (tensor_conversion_registry, "_tensor_conversion_func_cache", "whether variables still convert as TensorFlow registered"),
+    (resource_variable_ops, "_dense_var_to_tensor", "the conversion TensorFlow registered for variables"),
+    (BaseResourceVariable, "_dense_var_to_tensor", "what that conversion calls, ending in value()"),
 ]
 
 
@@ -202,7 +208,7 @@ __all__ = [
     "UnconnectedGradients", "array_ops", "attr_value_pb2", "auto_control_deps", "backprop", "check_ops", "composite_tensor",
     "cond_v2", "config", "config_lib", "context", "control_flow_util", "default_gradient", "distribute_lib", "distribute_utils", "distribute_values",
     "dtypes", "eager_tape", "executing_eagerly", "forwardprop", "gen_array_ops", "gen_resource_variable_ops", "gen_state_ops",
-    "gen_training_ops", "handle_data_util", "indexed_slices", "math_ops", "nest", "ops", "pywrap_tfe",
-    "record", "resource_variable_ops", "standard_ops", "state_ops", "tensor_array_ops", "tensor_lib",
+    "gen_training_ops", "handle_data_util", "indexed_slices", "math_ops", "nest", "ops", "profiler_trace", "pywrap_tfe",
+    "record", "resource_variable_ops", "standard_ops", "state_ops", "tensor_array_ops", "tensor_conversion_registry", "tensor_lib",
     "tensor_util", "tpu_ops", "v1_optimizer", "variable_utils", "while_v2",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops as rvo
 
 from assigntape import AssignAwareTape
@@ -47,13 +48,67 @@ def _write_outcome(tape_cls, method, value, **kwargs):
 
 
 def test_the_short_paths_are_served_while_a_tape_is_open_and_only_then():
-    served = ["value", *WRITES]
-    outside = {name: rvo.ResourceVariable.__dict__.get(name) for name in served}
+    served = [(rvo.ResourceVariable, name) for name in ["value", *WRITES]] + [(ops, "convert_to_tensor")]
+    outside = {place: vars(place[0]).get(place[1]) for place in served}
     with AssignAwareTape():
-        for name in served:
-            assert rvo.ResourceVariable.__dict__.get(name) is not outside[name], name
-    for name in served:
-        assert rvo.ResourceVariable.__dict__.get(name) is outside[name], name
+        for owner, name in served:
+            assert vars(owner).get(name) is not outside[owner, name], name
+    for owner, name in served:
+        assert vars(owner).get(name) is outside[owner, name], name
+
+
+CONVERSIONS = {
+    "plain": lambda v: ops.convert_to_tensor(v),
+    "own dtype": lambda v: ops.convert_to_tensor(v, dtype=tf.float32),
+    "own dtype by name": lambda v: ops.convert_to_tensor(v, dtype="float32"),
+    "other dtype": lambda v: ops.convert_to_tensor(v, dtype=tf.int32),  # TensorFlow's ValueError
+    "own dtype preferred": lambda v: ops.convert_to_tensor(v, preferred_dtype=tf.float32),
+    "other dtype preferred": lambda v: ops.convert_to_tensor(v, dtype_hint=tf.int32),  # ignored
+    "named": lambda v: ops.convert_to_tensor(v, name="x"),
+    "restricted result types": lambda v: ops.convert_to_tensor(v, accepted_result_types=(tf.Variable,)),
+    "public": lambda v: tf.convert_to_tensor(v),
+    "matmul": lambda v: tf.ones([1, 2]) @ tf.reshape(v, [2, 1]),
+    "operator": lambda v: v * tf.constant(2.0),
+}
+
+
+@pytest.mark.parametrize("conversion", list(CONVERSIONS))
+def test_a_conversion_returns_and_raises_as_tensorflows(conversion):
+    """Inside a tape ``ops.convert_to_tensor`` reads a plain variable
+    through ``value()`` directly (``_short_paths.convert_function``): the same
+    result or error as TensorFlow's, and the read watched alike."""
+
+    def outcome(tape_cls):
+        v = tf.Variable([1.0, 2.0], name="converted")
+        with tape_cls() as tape:
+            got = _outcome(lambda: CONVERSIONS[conversion](v))
+        return got, [w.name for w in tape.watched_variables()]
+
+    assert outcome(AssignAwareTape) == outcome(tf.GradientTape)
+
+
+@modes
+@pytest.mark.parametrize("conversion", ["plain", "own dtype preferred", "matmul", "operator"])
+def test_a_converted_version_gives_the_rewrites_gradient(mode, conversion):
+    convert = CONVERSIONS[conversion]
+    v, a = tf.Variable([1.0, 2.0]), tf.Variable(3.0)
+
+    def written():
+        v.assign([1.0, 2.0])
+        with AssignAwareTape() as tape:
+            v.assign(a * v)
+            y = tf.reduce_sum(convert(v) ** 2)
+        return tape.gradient(y, [a, v])
+
+    def rewrite():
+        v.assign([1.0, 2.0])
+        with tf.GradientTape() as tape:
+            t0 = tf.identity(v)
+            t = a * t0
+            y = tf.reduce_sum(convert(t) ** 2)
+        return tape.gradient(y, [a, t0])
+
+    assert_grads_close(run(mode, written), run(mode, rewrite))
 
 
 @pytest.mark.parametrize("method", WRITES)
@@ -365,3 +420,35 @@ def test_a_variable_without_a_handle_raises_tensorflows_error_inside_a_tape():
         with pytest.raises(AttributeError) as inside:
             v.handle
     assert str(inside.value) == str(outside.value)
+
+
+_REGISTERED_CONVERSION = """
+import tensorflow as tf
+from tensorflow.python.framework import tensor_conversion_registry
+from tensorflow.python.ops import resource_variable_ops as rvo
+from assigntape import AssignAwareTape
+
+v = tf.Variable([[1.0], [2.0]])
+with AssignAwareTape():  # the short paths served, and taken off, before the registration
+    tf.ones([1, 2]) @ v
+
+def doubled(var, dtype=None, name=None, as_ref=False):
+    return var.value() * 2.0
+
+tensor_conversion_registry.register_tensor_conversion_function(rvo.ResourceVariable, doubled, priority=1)
+got = []
+for tape_cls in (AssignAwareTape, tf.GradientTape, AssignAwareTape):  # before and after TensorFlow's own lookup
+    with tape_cls():
+        got.append((tf.ones([1, 2]) @ v).numpy().tolist())  # matmul converts v
+print(repr(got))
+"""
+
+
+def test_a_conversion_someone_registered_for_variables_is_used_inside_a_tape():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _REGISTERED_CONVERSION], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # Through ``doubled``: 2 * (1 + 2).
+    assert eval(out.stdout.strip().splitlines()[-1]) == [[[6.0]]] * 3
