@@ -28,7 +28,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
-from assigntape._tf import ControlFlowFuncGraph, array_ops, forwardprop, gen_resource_variable_ops, nest, UnconnectedGradients
+from assigntape._tf import ControlFlowFuncGraph, array_ops, backprop, forwardprop, gen_resource_variable_ops, nest, UnconnectedGradients
 
 from assigntape import _control_flow, _leases, _versions
 from assigntape._errors import ControlFlowWriteError
@@ -53,10 +53,17 @@ _REBASED = "_assigntape_rebased"
 # The plain tapes open in this thread (weak references), innermost last.
 
 
+# TensorFlow's own class, kept at import (``assigntape.testing.swap_tape``
+# may put another in its place).
+_GRADIENT_TAPE = backprop.GradientTape
+
+
 def _is_plain(instance: Any) -> bool:
     # AssignAwareTape marks itself (a class attribute) rather than being
-    # imported here: it imports this module.
-    return not getattr(instance, "_assigntape_aware", False)
+    # imported here: it imports this module. TensorFlow's own class, every
+    # Keras train step's, is told without the lookup, which misses (getattr
+    # then catches an AttributeError).
+    return type(instance) is _GRADIENT_TAPE or not getattr(instance, "_assigntape_aware", False)
 
 
 def _snapshot() -> Optional[Dict[str, Any]]:
@@ -302,8 +309,9 @@ def _map(x: Any, versions: Optional[Dict[str, Any]], open_now: bool) -> Any:
 
 def _end(instance: Any) -> Optional[Dict[str, Any]]:
     """The versions a variable target means, once no tape of ours is open."""
-    end = getattr(instance, _END, None)
-    return getattr(instance, _LATEST, None) if end is None else end
+    notes = instance.__dict__  # (where setattr put them: no caught AttributeError when missing)
+    end = notes.get(_END)
+    return notes.get(_LATEST) if end is None else end
 
 
 def tensorflows_gradient(cls: type, after: type) -> Callable[..., Any]:
@@ -343,10 +351,11 @@ def unfollowed(instance: Any, args: Any, kwargs: Any) -> bool:
     variable source means its own handle, which TensorFlow takes from it."""
     if not _is_plain(instance):
         return True
-    start = getattr(instance, _START, None)
-    if not _versions.any_scopes() and start is None and _end(instance) is None:
+    notes = instance.__dict__
+    start = notes.get(_START)
+    if not _versions._all_scopes and start is None and _end(instance) is None:
         return True
-    if start or _REBASED in instance.__dict__:
+    if start or _REBASED in notes:
         return False
     arguments = bind(_GRADIENT_PARAMS, args, kwargs)
     return _versions.plain_question(
