@@ -212,6 +212,7 @@ def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
     return _like(value, method)
 
 
+_RESOURCE_VARIABLE = resource_variable_ops.ResourceVariable
 # TensorFlow's conversion of every resource variable, as registered; the
 # registry's per-type cache (cleared when anything is registered).
 _CONVERSION = resource_variable_ops._dense_var_to_tensor
@@ -234,9 +235,6 @@ def is_tensorflows_conversion(function: Any) -> bool:
         and code.co_filename.endswith(os.path.join("framework", "ops.py"))
         and not hasattr(_RESOURCE_VARIABLE, "__tf_tensor__")  # (the registry would call that first)
     )
-
-
-_RESOURCE_VARIABLE = resource_variable_ops.ResourceVariable
 
 
 def convert_function(original: Callable[..., Any]) -> Callable[..., Any]:
