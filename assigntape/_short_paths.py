@@ -213,11 +213,18 @@ def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _RESOURCE_VARIABLE = resource_variable_ops.ResourceVariable
-# TensorFlow's conversion of every resource variable, as registered; the
-# registry's per-type cache (cleared when anything is registered).
+# TensorFlow's conversion of every resource variable, as registered, and the
+# method it calls; the registry's per-type cache (cleared when anything is
+# registered).
 _CONVERSION = resource_variable_ops._dense_var_to_tensor
-_CONVERSIONS_BY_TYPE = tensor_conversion_registry._tensor_conversion_func_cache
 _TO_TENSOR = resource_variable_ops.BaseResourceVariable._dense_var_to_tensor
+_CONVERSIONS_BY_TYPE = tensor_conversion_registry._tensor_conversion_func_cache
+# Both TensorFlow's own (someone may have wrapped one before assigntape was
+# imported: theirs must run, and no conversion takes the short path).
+_OWN_CONVERSION = all(
+    getattr(getattr(f, "__code__", None), "co_filename", "").endswith(os.path.join("ops", "resource_variable_ops.py"))
+    for f in (_CONVERSION, _TO_TENSOR)
+)
 # (TensorFlow 2.16 keeps whether the profiler traces as a module global, later
 # ones ask a C function.)
 _tracing: Callable[[], bool] = (
@@ -230,11 +237,7 @@ def is_tensorflows_conversion(function: Any) -> bool:
     its profiler wrapper), not a wrapper someone else put there."""
     inner = getattr(function, "__wrapped__", None)
     code = getattr(inner, "__code__", None)
-    return (
-        code is not None
-        and code.co_filename.endswith(os.path.join("framework", "ops.py"))
-        and not hasattr(_RESOURCE_VARIABLE, "__tf_tensor__")  # (the registry would call that first)
-    )
+    return code is not None and code.co_filename.endswith(os.path.join("framework", "ops.py"))
 
 
 def convert_function(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -270,7 +273,7 @@ def convert_function(original: Callable[..., Any]) -> Callable[..., Any]:
                 (dtype is None or dtype is own)
                 and (preferred is None or preferred is own)
                 and executing_eagerly()
-                and _conversion_is_tensorflows()
+                and _converts_as_tensorflow(value)
                 and not _tracing()
             ):
                 return value.value()
@@ -279,13 +282,27 @@ def convert_function(original: Callable[..., Any]) -> Callable[..., Any]:
     return _like(convert_to_tensor, original)
 
 
-def _conversion_is_tensorflows() -> bool:
-    # The registry's first match for the type is what it calls.
+def _converts_as_tensorflow(var: Any) -> bool:
+    """Whether TensorFlow's registry would end in ``var.value()``: ``var`` has
+    no ``__tf_tensor__`` (which the registry asks first), the registry's first
+    conversion for the class (what it calls) is TensorFlow's, and so is the
+    ``_dense_var_to_tensor`` that one calls, on the class and not replaced on
+    the instance."""
     found = _CONVERSIONS_BY_TYPE.get(_RESOURCE_VARIABLE)
-    return bool(found) and found[0][1] is _CONVERSION and _RESOURCE_VARIABLE._dense_var_to_tensor is _TO_TENSOR
+    return (
+        _OWN_CONVERSION
+        and bool(found)
+        and found[0][1] is _CONVERSION
+        and getattr(var, "__tf_tensor__", None) is None
+        and _RESOURCE_VARIABLE._dense_var_to_tensor is _TO_TENSOR
+        and "_dense_var_to_tensor" not in var.__dict__
+    )
 
 
 def _like(function: Callable[..., Any], method: Callable[..., Any]) -> Callable[..., Any]:
     function.__name__, function.__qualname__, function.__doc__ = method.__name__, method.__qualname__, method.__doc__
     function.__wrapped__ = method  # type: ignore[attr-defined]
+    # What introspection (tf_inspect.getfullargspec, which does not follow
+    # ``__wrapped__``) shows of TensorFlow's function itself.
+    function.__signature__ = inspect.signature(method, follow_wrapped=False)  # type: ignore[attr-defined]
     return function

@@ -87,6 +87,71 @@ def test_a_conversion_returns_and_raises_as_tensorflows(conversion):
     assert outcome(AssignAwareTape) == outcome(tf.GradientTape)
 
 
+_K = [100.0, 200.0]
+OVERRIDES = {
+    # (on the variable, undone after)
+    "instance _dense_var_to_tensor": lambda v: (setattr(v, "_dense_var_to_tensor", lambda dtype=None, name=None, as_ref=False: tf.constant(_K)), None),
+    "instance __tf_tensor__": lambda v: (setattr(v, "__tf_tensor__", lambda dtype=None, name=None: tf.constant(_K)), None),
+    "class __tf_tensor__": lambda v: (
+        setattr(rvo.BaseResourceVariable, "__tf_tensor__", lambda self, dtype=None, name=None: tf.constant(_K)),
+        lambda: delattr(rvo.BaseResourceVariable, "__tf_tensor__"),
+    ),
+}
+
+
+@pytest.mark.parametrize("override", list(OVERRIDES))
+def test_a_conversion_someone_overrides_is_used_inside_a_tape(override):
+    """TensorFlow's registry asks a value's ``__tf_tensor__`` first, then the
+    variable's ``_dense_var_to_tensor``: one put on the instance, or on the
+    class after the first tape, is used inside a tape too (helper-32)."""
+    with AssignAwareTape():
+        ops.convert_to_tensor(tf.Variable(0.0))  # the short path served before
+
+    def outcome(tape_cls):
+        v = tf.Variable([1.0, 2.0])
+        _, undo = OVERRIDES[override](v)
+        try:
+            with tape_cls() as tape:
+                y = ops.convert_to_tensor(v)
+            return y.numpy().tolist(), tape.gradient(y, v)
+        finally:
+            if undo is not None:
+                undo()
+
+    assert outcome(AssignAwareTape) == outcome(tf.GradientTape) == (_K, None)
+
+
+def test_a_conversion_error_in_a_function_reads_as_tensorflows():
+    """AutoGraph converts the functions a tf.function calls unless they are
+    TensorFlow's (or marked): the conversion served inside a tape is left
+    alone as TensorFlow's is (helper-32: converted, its error grew frames of
+    AutoGraph's rewrite). Its own frame is listed, TensorFlow's are not."""
+
+    def message(tape_cls):
+        @tf.function
+        def f(x):
+            return ops.convert_to_tensor(x, dtype=tf.int32)
+
+        with tape_cls():
+            with pytest.raises(ValueError) as raised:
+                f(tf.constant([1.5]))
+        return str(raised.value)
+
+    ours, plain = message(AssignAwareTape), message(tf.GradientTape)
+    own = [line for line in ours.splitlines() if "_short_paths.py" in line]
+    assert all(line.endswith("  **") for line in own), own  # called as it is, not converted ("  *")
+    ours_lines = [line for line in ours.splitlines() if "_short_paths.py" not in line and "return original(" not in line]
+    assert ours_lines == plain.splitlines()
+
+
+def test_the_served_conversion_shows_tensorflows_argument_spec():
+    from tensorflow.python.util import tf_inspect
+
+    outside = tf_inspect.getfullargspec(ops.convert_to_tensor)
+    with AssignAwareTape():
+        assert tf_inspect.getfullargspec(ops.convert_to_tensor) == outside
+
+
 @modes
 @pytest.mark.parametrize("conversion", ["plain", "own dtype preferred", "matmul", "operator"])
 def test_a_converted_version_gives_the_rewrites_gradient(mode, conversion):
@@ -452,3 +517,36 @@ def test_a_conversion_someone_registered_for_variables_is_used_inside_a_tape():
     assert out.returncode == 0, out.stderr[-2000:]
     # Through ``doubled``: 2 * (1 + 2).
     assert eval(out.stdout.strip().splitlines()[-1]) == [[[6.0]]] * 3
+
+
+_WRAPPED_CONVERSION_FIRST = """
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops as rvo
+
+calls = []
+original = rvo.BaseResourceVariable._dense_var_to_tensor
+
+def scaled(self, dtype=None, name=None, as_ref=False):  # someone's wrapper, before assigntape
+    calls.append(1)
+    return original(self, dtype=dtype, name=name, as_ref=as_ref) * 10.0
+
+rvo.BaseResourceVariable._dense_var_to_tensor = scaled
+
+from assigntape import AssignAwareTape
+v = tf.Variable([[1.0], [2.0]])
+got = []
+for tape_cls in (tf.GradientTape, AssignAwareTape):
+    with tape_cls():
+        got.append((tf.ones([1, 2]) @ v).numpy().tolist())  # matmul converts v
+print(repr((got, len(calls))))
+"""
+
+
+def test_a_conversion_someone_wrapped_before_import_is_used_inside_a_tape():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _WRAPPED_CONVERSION_FIRST], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # Through ``scaled``, under both tapes: 10 * (1 + 2).
+    assert eval(out.stdout.strip().splitlines()[-1]) == ([[[30.0]], [[30.0]]], 2)
