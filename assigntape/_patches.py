@@ -33,7 +33,6 @@ import tensorflow as tf
 from assigntape._tf import (
     UnliftedInitializerVariable,
     array_ops,
-    backprop,
     ConcreteFunction,
     cond_v2,
     distribute_lib,
@@ -218,12 +217,6 @@ def _v1_slot_key(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
     return wrapped(*args, **kwargs)
 
 
-# TensorFlow's own class, kept at import: code that swaps another class in
-# for ``backprop.GradientTape`` (assigntape.testing.swap_tape) must not
-# redirect the patches.
-_GRADIENT_TAPE = backprop.GradientTape
-
-
 def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
     """The patches besides the op wrappers: (owner, attribute, wrapper function)."""
     return [
@@ -252,13 +245,13 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # through the module attribute.
         (distribute_values, "_on_write_update_replica", _distribute.aggregated_write),
         # Plain tapes beside ours name variables as ours do (_plain_tapes).
-        (_GRADIENT_TAPE, "__enter__", _plain_tapes.enter),
-        (_GRADIENT_TAPE, "__exit__", _plain_tapes.exit),
-        (_GRADIENT_TAPE, "gradient", _plain_tapes.gradient),
-        (_GRADIENT_TAPE, "jacobian", _plain_tapes.jacobian),
-        (_GRADIENT_TAPE, "batch_jacobian", _plain_tapes.jacobian),
-        (_GRADIENT_TAPE, "reset", _plain_tapes.reset),
-        (_GRADIENT_TAPE, "watched_variables", _plain_tapes.watched_variables),
+        (_plain_tapes.GRADIENT_TAPE, "__enter__", _plain_tapes.enter),
+        (_plain_tapes.GRADIENT_TAPE, "__exit__", _plain_tapes.exit),
+        (_plain_tapes.GRADIENT_TAPE, "gradient", _plain_tapes.gradient),
+        (_plain_tapes.GRADIENT_TAPE, "jacobian", _plain_tapes.jacobian),
+        (_plain_tapes.GRADIENT_TAPE, "batch_jacobian", _plain_tapes.jacobian),
+        (_plain_tapes.GRADIENT_TAPE, "reset", _plain_tapes.reset),
+        (_plain_tapes.GRADIENT_TAPE, "watched_variables", _plain_tapes.watched_variables),
         (forwardprop.ForwardAccumulator, "__enter__", _plain_tapes.accumulator_enter),
         (forwardprop.ForwardAccumulator, "__exit__", _plain_tapes.accumulator_exit),
         (forwardprop.ForwardAccumulator, "jvp", _plain_tapes.accumulator_jvp),

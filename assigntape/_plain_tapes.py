@@ -36,7 +36,7 @@ from assigntape._record import Record
 from assigntape._wrapping import bind, binds
 
 __all__ = [
-    "accumulator_enter", "accumulator_exit", "accumulator_jvp", "enter", "exit", "gradient", "jacobian", "lease",
+    "GRADIENT_TAPE", "accumulator_enter", "accumulator_exit", "accumulator_jvp", "enter", "exit", "gradient", "jacobian", "lease",
     "note_closing", "ours", "refuse_recorders_outside_body", "reset", "tensorflows_gradient", "unfollowed", "watched_variables",
 ]
 
@@ -54,8 +54,8 @@ _REBASED = "_assigntape_rebased"
 
 
 # TensorFlow's own class, kept at import (``assigntape.testing.swap_tape``
-# may put another in its place).
-_GRADIENT_TAPE = backprop.GradientTape
+# may put another in its place): the followers go on it (``_patches``).
+GRADIENT_TAPE = backprop.GradientTape
 
 
 def _is_plain(instance: Any) -> bool:
@@ -63,7 +63,7 @@ def _is_plain(instance: Any) -> bool:
     # imported here: it imports this module. TensorFlow's own class, every
     # Keras train step's, is told without the lookup, which misses (getattr
     # then catches an AttributeError).
-    return type(instance) is _GRADIENT_TAPE or not getattr(instance, "_assigntape_aware", False)
+    return type(instance) is GRADIENT_TAPE or not getattr(instance, "_assigntape_aware", False)
 
 
 def _snapshot() -> Optional[Dict[str, Any]]:
