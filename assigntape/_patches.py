@@ -245,8 +245,8 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # through the module attribute.
         (distribute_values, "_on_write_update_replica", _distribute.aggregated_write),
         # Plain tapes beside ours name variables as ours do (_plain_tapes).
-        (_plain_tapes.GRADIENT_TAPE, "__enter__", _plain_tapes.enter),
-        (_plain_tapes.GRADIENT_TAPE, "__exit__", _plain_tapes.exit),
+        (_plain_tapes.GRADIENT_TAPE, "__enter__", _plain_tapes.entered),
+        (_plain_tapes.GRADIENT_TAPE, "__exit__", _plain_tapes.exited),
         (_plain_tapes.GRADIENT_TAPE, "gradient", _plain_tapes.gradient),
         (_plain_tapes.GRADIENT_TAPE, "jacobian", _plain_tapes.jacobian),
         (_plain_tapes.GRADIENT_TAPE, "batch_jacobian", _plain_tapes.jacobian),
@@ -301,9 +301,8 @@ _ALWAYS_ON = (
     _control_flow.branch_gradient,
     _control_flow.loop_gradient,
     _versions.constructed,
-    _plain_tapes.enter,
-    _plain_tapes.exit,
-    _plain_tapes.gradient,
+    _plain_tapes.entered,
+    _plain_tapes.exited,
     _plain_tapes.jacobian,
     _plain_tapes.reset,
     _plain_tapes.watched_variables,
@@ -317,10 +316,18 @@ _ALWAYS_ON = (
 # frame fewer under a plain tape's backward pass.
 _PASSES = {
     _plain_tapes.gradient: _plain_tapes.unfollowed,
-    _plain_tapes.enter: _plain_tapes.ours,
-    _plain_tapes.exit: _plain_tapes.ours,
     _plain_tapes.watched_variables: _plain_tapes.ours,
 }
+
+# Followers whose methods are built by their module, with the common case
+# written out (every Keras train step enters and exits a plain tape).
+_METHODS = {_plain_tapes.entered: _plain_tapes.enter_method, _plain_tapes.exited: _plain_tapes.exit_method}
+
+# Not dormant, yet switched: a plain tape's gradient has something to map
+# only beside a tape of ours, or while one that ran beside it keeps versions
+# (which keeps the switches on: ``_versions.idle``). Every Keras train step
+# asks one, so TensorFlow's own is in place otherwise.
+_SWITCHED = (_plain_tapes.gradient,)
 
 # In place only while a tape has seen a write through a handle no tape could
 # name: every variable read calls them (``_versions.read_checks``).
@@ -337,8 +344,13 @@ def _put(owner: Any, name: str, function: Callable[..., Any]) -> None:
     if wrapper is not None and original is wrapper:
         return  # a follower, in place since import
     if wrapper is None or wrapper.__wrapped__ is not original:
-        active = function if function in _ALWAYS_ON or function in _READ_CHECKS else _dormant(function)
-        wrapper = _attribute_wrappers[(id(owner), name)] = patch(owner, original, active, _PASSES.get(function))
+        if function in _METHODS:
+            wrapper = _METHODS[function](original)
+        else:
+            plain = function in _ALWAYS_ON or function in _SWITCHED or function in _READ_CHECKS
+            active = function if plain else _dormant(function)
+            wrapper = patch(owner, original, active, _PASSES.get(function))
+        _attribute_wrappers[(id(owner), name)] = wrapper
     _saved.append((owner, name, original))
     if function in _READ_CHECKS:
         # Put in place (and taken off) by ``_versions``, when there is something to check.

@@ -33,10 +33,10 @@ from assigntape._tf import ControlFlowFuncGraph, array_ops, backprop, forwardpro
 from assigntape import _control_flow, _leases, _versions
 from assigntape._errors import ControlFlowWriteError
 from assigntape._record import Record
-from assigntape._wrapping import bind, binds
+from assigntape._wrapping import bind, binds, like
 
 __all__ = [
-    "GRADIENT_TAPE", "accumulator_enter", "accumulator_exit", "accumulator_jvp", "enter", "exit", "gradient", "jacobian", "lease",
+    "GRADIENT_TAPE", "accumulator_enter", "accumulator_exit", "accumulator_jvp", "enter_method", "entered", "exit_method", "exited", "gradient", "jacobian", "lease",
     "note_closing", "ours", "refuse_recorders_outside_body", "reset", "tensorflows_gradient", "unfollowed", "watched_variables",
 ]
 
@@ -89,18 +89,60 @@ def _quiet() -> bool:
     """No tape of ours is open in any thread, and none closed is alive (nor a
     recorder that held versions): a plain tape has no version to note, only
     that it is open (every Keras train step enters one, so this is kept short)."""
-    return not _versions._all_scopes and not _closed_records
+    return not _all_scopes and not _closed_records
 
 
+_all_scopes = _versions._all_scopes
 _closed_records = _versions.closed_tapes.data
 
 
-def enter(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``GradientTape.__enter__``: a plain tape notes the versions current now."""
-    result = wrapped(*args, **kwargs)
-    if _quiet() and _is_plain(instance):
+def enter_method(original: Callable[..., Any]) -> Callable[..., Any]:
+    """What goes in place of ``GradientTape.__enter__``: TensorFlow's, then
+    ``entered``. The case of every Keras train step (TensorFlow's own class,
+    no tape of ours about) is written out here, in the method's one frame:
+    its Python runs between TensorFlow's eager ops, where each line costs
+    several times what it does in a loop of its own."""
+    tls, ref, key = _versions._tls, weakref.ref, _versions.current_key
+
+    def __enter__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if type(self) is GRADIENT_TAPE and not _all_scopes and not _closed_records:
+            opened = getattr(tls, "plain", None)
+            (_open_plain() if opened is None else opened).append((ref(self), key()))
+        else:
+            entered(self)
+        return result
+
+    return like(__enter__, original, entered)
+
+
+def exit_method(original: Callable[..., Any]) -> Callable[..., Any]:
+    """What goes in place of ``GradientTape.__exit__``: TensorFlow's, then
+    ``exited``, with the same case written out as in ``enter_method``."""
+    tls = _versions._tls
+
+    def __exit__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if type(self) is GRADIENT_TAPE and not _all_scopes and not _closed_records:
+            opened = getattr(tls, "plain", None)
+            if opened and opened[-1][0]() is self:
+                del opened[-1]  # the innermost: the case of a with block
+            elif opened:
+                _forget_open(self)
+        else:
+            exited(self)
+        return result
+
+    return like(__exit__, original, exited)
+
+
+def entered(instance: Any) -> None:
+    """After ``GradientTape.__enter__``: a plain tape notes the versions current now."""
+    if not _is_plain(instance):
+        return  # its own __enter__ did the work
+    elif _quiet():
         _open_plain().append((weakref.ref(instance), _versions.current_key()))
-    elif _is_plain(instance):
+    else:
         _opened(instance)
         if not hasattr(instance, _START):
             snapshot = _snapshot()
@@ -112,21 +154,20 @@ def enter(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) ->
         if rebased and not instance._watch_accessed_variables:
             # Recorded for it, but it watches only what it is told to.
             instance.__dict__[_REBASED] = set(rebased)
-    return result
 
 
-def exit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``GradientTape.__exit__``: a plain tape notes the versions current now."""
-    result = wrapped(*args, **kwargs)
-    if _quiet() and _is_plain(instance):
+def exited(instance: Any) -> None:
+    """After ``GradientTape.__exit__``: a plain tape notes the versions current now."""
+    if not _is_plain(instance):
+        return
+    if _quiet():
         _forget_open(instance)
-    elif _is_plain(instance):
+    else:
         snapshot = _snapshot()
         if snapshot is not None:
             setattr(instance, _END, snapshot)
             lease(instance)
         _closed(instance)
-    return result
 
 
 def reset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -353,7 +394,12 @@ def unfollowed(instance: Any, args: Any, kwargs: Any) -> bool:
         return True
     notes = instance.__dict__
     start = notes.get(_START)
-    if not _versions._all_scopes and start is None and _end(instance) is None:
+    if not _all_scopes and start is None and notes.get(_END) is None and notes.get(_LATEST) is None:
+        # (No _end(instance): a call fewer.) This follower is switched with the
+        # dormant patches: when none has been needed for a while, TensorFlow's
+        # own method goes back in its place (``_versions.idle``).
+        if _versions._switched:
+            _versions.idle()
         return True
     if start or _REBASED in notes:
         return False

@@ -256,14 +256,21 @@ def _switch(on: bool) -> None:
 
 def idle(wait: Optional[float] = None) -> None:
     """A dormant patch was called with no tape open or closed-but-alive in
-    any thread: if none has been for ``wait`` seconds (``IDLE_SECONDS``), the
-    ``switches`` come off, and code outside every tape calls TensorFlow's own
+    any thread: if none has been for ``wait`` seconds (``IDLE_SECONDS``), and
+    no plain tape keeps versions, the ``switches`` come off, and code outside every tape calls TensorFlow's own
     functions from then on (until the next tape opens). Waiting keeps a loop
     that opens a tape every step from putting them on and off every step."""
+    global _active_at
     if time.monotonic() - _active_at < (IDLE_SECONDS if wait is None else wait):
         return
     with _all_lock:
         if _switched and not _all_scopes and not closed_tapes.data:
+            if _leases.plain:
+                # A plain tape that ran beside one of ours keeps versions: its
+                # gradient must still map them (``_plain_tapes.gradient``).
+                # Asked again once it may be gone.
+                _active_at = time.monotonic()
+                return
             _switch(False)
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import wrapt
 
-__all__ = ["Wrapper", "bind", "binds", "params_of", "patch"]
+__all__ = ["Wrapper", "bind", "binds", "like", "params_of", "patch"]
 
 
 class _BoundWrapper(wrapt.BoundFunctionWrapper):
@@ -60,15 +60,21 @@ def patch(
             if passes(self, args, kwargs):
                 return original(self, *args, **kwargs)
             return function(original.__get__(self), self, args, kwargs)
+    return like(method, original, function)
+
+
+def like(method: Any, original: Any, function: Callable[..., Any]) -> Any:
+    """``method``, made to look like ``original`` to introspection, and
+    marked as a patch that calls ``function``."""
     for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
         setattr(method, attribute, getattr(original, attribute))
-    method.__wrapped__ = original  # type: ignore[attr-defined]
+    method.__wrapped__ = original
     # inspect.getfullargspec (which TensorFlow's tf_inspect uses) does not
     # follow ``__wrapped__``, but takes a ``__signature__``: the original's.
-    method.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
-    method._self_wrapper = function  # type: ignore[attr-defined]  # (wrapt's name: one check finds either)
+    method.__signature__ = inspect.signature(original)
+    method._self_wrapper = function  # (wrapt's name: one check finds either)
     # As Wrapper's class attribute: AutoGraph calls it unconverted.
-    method.autograph_info__ = {}  # type: ignore[attr-defined]
+    method.autograph_info__ = {}
     return method
 
 

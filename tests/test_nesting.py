@@ -199,6 +199,40 @@ def test_plain_tape_open_around_a_closed_aware_tape_names_the_latest_version(ask
     np.testing.assert_allclose(jac.numpy(), np.diag([6.0, 12.0]))
 
 
+@pytest.mark.parametrize("order", ["in_order", "out_of_order"])
+def test_plain_tapes_entered_with_no_tape_of_ours_about_are_followed(monkeypatch, order):
+    # Entered while nothing of ours is open or alive (and the patches TensorFlow
+    # calls are off): the quick path of GradientTape.__enter__ / __exit__. A
+    # tape exited before the one entered after it must leave that one followed.
+    import gc
+
+    from assigntape import _versions
+
+    monkeypatch.setattr(_versions, "IDLE_SECONDS", 0.0)
+    with AssignAwareTape():
+        pass
+    gc.collect()
+    tf.Variable(0.0).assign(1.0)  # through a dormant patch: the patches come off
+    x, c = tf.Variable([1.0, 2.0]), tf.Variable([0.0, 0.0])
+    other = tf.GradientTape()
+    plain = tf.GradientTape(persistent=True)
+    if order == "out_of_order":
+        other.__enter__()
+        plain.__enter__()
+        other.__exit__(None, None, None)
+    else:
+        plain.__enter__()
+        other.__enter__()
+        other.__exit__(None, None, None)
+    del other
+    gc.collect()
+    with AssignAwareTape():
+        c.assign(x * x * 3.0)
+    grad = plain.gradient(c, x)
+    plain.__exit__(None, None, None)
+    np.testing.assert_allclose(grad.numpy(), [6.0, 12.0])  # d(sum 3x^2)/dx
+
+
 @modes
 def test_plain_tape_jacobian_with_a_variable_target_after_the_aware_tape_closed(mode):
     x, c = tf.Variable([[1.0, 2.0], [3.0, 4.0]]), tf.Variable(tf.zeros((2, 2)))

@@ -174,6 +174,61 @@ def test_a_closed_tape_keeps_the_write_patches_while_it_may_be_entered_again(mon
     assert not any(_wrapped(*place) for place in _switched_places())
 
 
+def _tensorflows_gradient():
+    from tensorflow.python.eager import backprop
+
+    return next(o for owner, name, o in _patches._saved if owner is backprop.GradientTape and name == "gradient")
+
+
+def test_outside_every_tape_a_plain_tapes_gradient_is_tensorflows_own(monkeypatch):
+    """Every Keras train step asks a plain tape for its gradient: once no tape
+    of ours has been about, TensorFlow's own method is in place again."""
+    from tensorflow.python.eager import backprop
+
+    monkeypatch.setattr(_versions, "IDLE_SECONDS", 0.0)
+    v, x = tf.Variable(1.0), tf.constant(3.0)
+    with AssignAwareTape():
+        v.assign(2.0)
+        assert _wrapped(backprop.GradientTape, "gradient")
+    gc.collect()
+    with tf.GradientTape() as plain:
+        plain.watch(x)
+        y = x * x
+    assert float(plain.gradient(y, x)) == 6.0  # through the follower, which takes the patches off
+    assert vars(backprop.GradientTape)["gradient"] is _tensorflows_gradient()
+    assert not any(_wrapped(*place) for place in _switched_places())
+    with AssignAwareTape():
+        assert _wrapped(backprop.GradientTape, "gradient")
+
+
+@pytest.mark.parametrize("plain_is", ["outside", "inside"])
+def test_a_plain_tape_that_keeps_versions_keeps_its_gradient_follower(monkeypatch, plain_is):
+    """A plain tape beside a closed AssignAwareTape names a variable target by
+    its version when the plain tape closed, also when asked long after: the
+    follower that maps it stays while the plain tape lives."""
+    from tensorflow.python.eager import backprop
+
+    monkeypatch.setattr(_versions, "IDLE_SECONDS", 0.0)
+    x, c, w = tf.Variable([1.0, 2.0]), tf.Variable([0.0, 0.0]), tf.Variable(0.0)
+    if plain_is == "outside":
+        with tf.GradientTape(persistent=True) as plain:
+            with AssignAwareTape():
+                c.assign(x * x * 3.0)
+    else:
+        with AssignAwareTape():
+            with tf.GradientTape(persistent=True) as plain:
+                c.assign(x * x * 3.0)
+        c.assign([5.0, 5.0])  # after both: not what the plain tape's c means
+    gc.collect()
+    w.assign(1.0)  # through a dormant patch, which would take the patches off
+    assert _wrapped(backprop.GradientTape, "gradient")
+    np.testing.assert_allclose(plain.gradient(c, x).numpy(), [6.0, 12.0])  # d(sum 3x^2)/dx
+    del plain
+    gc.collect()
+    w.assign(2.0)
+    assert vars(backprop.GradientTape)["gradient"] is _tensorflows_gradient()
+
+
 def test_uninstall_after_the_write_patches_came_off_leaves_every_original(monkeypatch):
     import assigntape
 
