@@ -140,7 +140,7 @@ def entered(instance: Any) -> None:
     """After ``GradientTape.__enter__``: a plain tape notes the versions current now."""
     if not _is_plain(instance):
         return  # its own __enter__ did the work
-    elif _quiet():
+    if _quiet():
         _open_plain().append((weakref.ref(instance), _versions.current_key()))
     else:
         _opened(instance)

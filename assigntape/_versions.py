@@ -257,9 +257,10 @@ def _switch(on: bool) -> None:
 def idle(wait: Optional[float] = None) -> None:
     """A dormant patch was called with no tape open or closed-but-alive in
     any thread: if none has been for ``wait`` seconds (``IDLE_SECONDS``), and
-    no plain tape keeps versions, the ``switches`` come off, and code outside every tape calls TensorFlow's own
-    functions from then on (until the next tape opens). Waiting keeps a loop
-    that opens a tape every step from putting them on and off every step."""
+    no plain tape keeps versions, the ``switches`` come off, and code outside
+    every tape calls TensorFlow's own functions from then on (until the next
+    tape opens). Waiting keeps a loop that opens a tape every step from
+    putting them on and off every step."""
     global _active_at
     if time.monotonic() - _active_at < (IDLE_SECONDS if wait is None else wait):
         return
