@@ -468,8 +468,10 @@ def uninstall() -> None:
 
     Raises:
         RuntimeError: a tape still needs them: an open ``AssignAwareTape``, a
-            closed one that may be entered again or asked for gradients, or a
-            ``tf.GradientTape`` that ran beside one. Nothing is removed then.
+            closed one that may be entered again or asked for gradients, a
+            ``tf.GradientTape`` or ``ForwardAccumulator`` open now (in any
+            thread), or one that ran beside an ``AssignAwareTape``. Nothing is
+            removed then.
     """
     import gc
 
@@ -480,8 +482,9 @@ def uninstall() -> None:
         raise RuntimeError(
             f"assigntape.uninstall(): {users} tape(s) still need the patches: an open "
             "AssignAwareTape, a closed one that may be entered again or asked for "
-            "gradients, or a tf.GradientTape that ran beside one. Let them go (del, "
-            "or leave their scope), then call uninstall() again."
+            "gradients, a tf.GradientTape or ForwardAccumulator open now, or one that "
+            "ran beside an AssignAwareTape. Let them go (del, or leave their scope), "
+            "then call uninstall() again."
         )
 
 
@@ -490,7 +493,11 @@ def remove_unused() -> int:
     unless a tape needs them, and returns how many do (0: removed)."""
     global _installed
     with _leases.lock:
-        users = _leases.count()
+        # A plain tape or accumulator open now was entered through the
+        # followers: removed under it, its exit would not be noted, and the
+        # next tape of ours to close would take it for one still open (and
+        # keep its versions for good).
+        users = _leases.count() + _plain_tapes.open_anywhere()
         if not users and (_installed or _saved):  # everything, or the followers of plain tapes
             _uninstall()
             _installed = False

@@ -37,7 +37,7 @@ from assigntape._wrapping import bind, binds, like
 
 __all__ = [
     "GRADIENT_TAPE", "accumulator_enter", "accumulator_exit", "accumulator_jvp", "enter_method", "entered", "exit_method", "exited", "gradient", "jacobian", "lease",
-    "note_closing", "ours", "refuse_recorders_outside_body", "reset", "tensorflows_gradient", "unfollowed", "watched_variables",
+    "note_closing", "open_anywhere", "ours", "refuse_recorders_outside_body", "reset", "tensorflows_gradient", "unfollowed", "watched_variables",
 ]
 
 _START = "_assigntape_start"
@@ -167,7 +167,7 @@ def exited(instance: Any) -> None:
         if snapshot is not None:
             setattr(instance, _END, snapshot)
             lease(instance)
-        _closed(instance)
+        _closed(instance, snapshot)
 
 
 def reset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -248,11 +248,26 @@ def _forget_open(instance: Any) -> None:
             break
 
 
-def _closed(instance: Any) -> None:
+def open_anywhere() -> int:
+    """How many plain tapes and forward accumulators are open (entered and not
+    exited) in any thread."""
+    return sum(ref() is not None for opened in list(_versions._plain_by_thread.values()) for ref, _ in list(opened))
+
+
+def _closed(instance: Any, ends: Optional[Dict[str, Any]] = None) -> None:
+    """It exits: ``ends``, for a plain tape exiting where a tape of ours is
+    about, the versions current now."""
     _forget_open(instance)
     held = _versions.held_by(instance)
     _versions.release_holder(instance)
-    if held:
+    if not held and ends is not None:
+        # Exited inside a tape of ours: if entered again after that one closed,
+        # it goes on from the versions it last saw, as it would had the other
+        # tape stayed open (read through the variable's own handle instead,
+        # a variable it wrote would lose its gradient path, and its source
+        # version would not be the one read).
+        held = _versions.owned(ends)
+    if held or ends is not None:
         # It may be entered again (a persistent tape, an accumulator): it then
         # goes on from the versions it held, so note the writes made meanwhile,
         # as for a closed AssignAwareTape (``_versions.note_write_while_closed``).

@@ -354,26 +354,44 @@ def held_by(holder: Any) -> Dict[str, Tuple[Any, Any]]:
     scope = _scopes().get(current_key())
     if scope is None or scope.records or not any(h is holder for h in scope.holders):
         return {}
-    return {uid: (handle, scope.owners[id(handle)]) for uid, handle in scope.current.items() if id(handle) in scope.owners}
+    return owned(scope.current)
 
 
 def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any]) -> None:
-    """A plain tape or forward accumulator that held versions (``held_by``) is
-    entered again, in the same graph, with no tape of ours open there: it goes
-    on from them, except for the variables written meanwhile (``written``, by
-    id of their own handle): for it such a write is one it did not record, as
-    under ``stop_recording``, so they go on from a new version with no
-    gradient path (their own handle may be a version it started from)."""
+    """A plain tape or forward accumulator that held versions (``held_by``),
+    or a plain tape that exited where a tape of ours was open (``owned``: the
+    versions current then), is entered again, in the same graph, with no tape
+    of ours open there: it goes on from them, except for the variables written
+    meanwhile (``written``, by id of their own handle): for it such a write is
+    one it did not record, as under ``stop_recording``, so they go on from a
+    new version with no gradient path (their own handle may be a version it
+    started from)."""
     key = current_key()
-    if key in _scopes() or not held:
+    if key in _scopes() or not (held or written):
         return
     scope = _scopes()[key] = Scope(key)
     _list(scope)
     scope.holders = [holder]
+    written = dict(written)
     for handle, var in held.values():
-        if id(canonical_handle(var)) in written:
-            handle = new_version(canonical_handle(var), None)
+        own = canonical_handle(var)
+        if written.pop(id(own), None) is not None:
+            handle = new_version(own, None)
         scope.adopt(var, handle)
+    # Written meanwhile and not among them: its own handle would be credited
+    # to it as its source (which means the version at its entry, not this one).
+    for own in written.values():
+        var = variable_of_handle(own)
+        if var is not None:
+            scope.adopt(var, new_version(own, None))
+
+
+def owned(versions: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:
+    """``versions`` (unique id -> handle, current in this thread's scope here)
+    with their variables, as ``held_by`` gives them."""
+    scope = _scopes().get(current_key())
+    owners = scope.owners if scope is not None else {}
+    return {uid: (handle, owners[id(handle)]) for uid, handle in versions.items() if id(handle) in owners}
 
 
 def release_holder(instance: Any) -> None:

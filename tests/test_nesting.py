@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict
 
 import numpy as np
 import pytest
@@ -353,6 +353,77 @@ def test_a_plain_tape_entered_again_names_a_source_by_its_first_entry(mode):
     # The rewrite: v1 = v0 a, y = v1^2: dy/dv0 = 2 v1 a, dy/da = 2 v1 v0.
     v1 = 0.3 * 0.7
     np.testing.assert_allclose([float(d_v), float(d_a)], [2 * v1 * 0.7, 2 * v1 * 0.3], rtol=1e-12)
+
+
+_REENTRY_START = {"v": 2.0, "a": 3.0, "x": [1.0, 2.0], "c": [0.0, 0.0]}
+
+
+def _exited_inside_then_entered_again(case: str, between: str, cell: Dict[str, Any]) -> Any:
+    """A persistent plain tape P exits inside an AssignAwareTape; the
+    AssignAwareTape closes; P is entered again. ``cell``: the variables, or
+    for the rewrite tensors (rebound by each write, and no AssignAwareTape).
+    ``case``: what P sees.
+
+    * ``source``: v is written (v = v a) before P's entry; P reads v*v after
+      its re-entry: dy/dv is for the version at P's entry.
+    * ``target_chain``: P records c = 3x inside the AssignAwareTape; after its
+      re-entry P reads c: dy/dx goes through that write.
+    * ``written_while_closed``: P is entered before the write v = v a, which
+      the AssignAwareTape makes after P exited: P did not record it, so the
+      value P reads after its re-entry has no path to v at its entry.
+
+    ``between`` = "a write": v and c are written outside every tape before
+    the re-entry, which P did not record either.
+    """
+    f64 = tf.float64
+    rewrite = not isinstance(cell["v"], tf.Variable)
+    read = lambda k: cell[k]
+    if rewrite:
+        def write(k: str, value: Any) -> None:
+            cell[k] = value
+    else:
+        def write(k: str, value: Any) -> None:
+            cell[k].assign(value)
+        for k, value in _REENTRY_START.items():
+            write(k, tf.constant(value, f64))
+    aware = tf.GradientTape if rewrite else AssignAwareTape
+    plain = tf.GradientTape(persistent=True)
+    with aware():
+        if case == "source":
+            write("v", read("v") * read("a"))
+        with plain:
+            if rewrite:  # a variable source: its value at the entry, watched
+                plain.watch([cell["v"], cell["x"]])
+            source, x = read("v"), read("x")
+            if case == "target_chain":
+                write("c", read("x") * 3.0)
+        if case == "written_while_closed":
+            write("v", read("v") * read("a"))
+    if between == "a write":
+        write("v", tf.constant(10.0, f64))
+        write("c", tf.constant([5.0, 7.0], f64))
+    with plain:
+        y = read("v") * read("v") + tf.reduce_sum(read("c") * read("c"))
+    sources = [source, x] if rewrite else [cell["v"], cell["x"]]
+    return [tf.fill([1], np.nan) if g is None else tf.reshape(g, [-1]) for g in plain.gradient(y, sources)]
+
+
+@modes
+@pytest.mark.parametrize("case", ["source", "target_chain", "written_while_closed"])
+@pytest.mark.parametrize("between", ["nothing", "a write"])
+def test_a_plain_tape_exited_inside_an_aware_tape_goes_on_from_its_versions_when_entered_again(mode, case, between):
+    """Found by an adversarial review: P entered again after the AssignAwareTape
+    closed read the variables' own handles, so a source's gradient was None
+    (``source``), a write's chain was lost (``target_chain``), or a write P
+    never recorded was credited to the variable (``written_while_closed``)."""
+    with AssignAwareTape():
+        pass  # installed before the plain tape opens
+    variables = {k: tf.Variable(value, dtype=tf.float64) for k, value in _REENTRY_START.items()}
+    got = run(mode, lambda: _exited_inside_then_entered_again(case, between, variables))
+    tensors = {k: tf.constant(value, tf.float64) for k, value in _REENTRY_START.items()}
+    expected = _exited_inside_then_entered_again(case, between, tensors)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-12)
 
 
 def test_a_plain_tape_outside_a_function_is_not_held_by_a_tape_inside_it():

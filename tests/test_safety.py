@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import threading
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -661,6 +662,60 @@ def test_a_plain_tape_entered_after_uninstall_is_refused_not_ignored():
             w.assign(w * 3.0)
         y = w * 1.0
     assert float(outer.gradient(y, w)) == 3.0
+
+
+@pytest.mark.parametrize("where", ["this thread", "another thread"])
+def test_uninstall_refuses_while_a_followed_plain_tape_is_open_and_removes_nothing(where):
+    """Found by an adversarial review: uninstall() went through while a plain
+    tape was open; its exit was then TensorFlow's own, so it stayed on the
+    list of open plain tapes, and the next AssignAwareTape to close made it a
+    holder of its versions for good: a tf.function writing a variable outside
+    every tape was then refused."""
+    import assigntape
+
+    x, c = tf.Variable([1.0, 2.0]), tf.Variable([0.0, 0.0])
+    with AssignAwareTape():
+        pass  # installed
+    plain = tf.GradientTape(persistent=True)
+    entered, release, done = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_open() -> None:
+        with plain:
+            entered.set()
+            release.wait(30)
+        done.set()
+
+    if where == "this thread":
+        plain.__enter__()
+    else:
+        threading.Thread(target=hold_open).start()
+        assert entered.wait(30)
+    before = _snapshot()
+    with pytest.raises(RuntimeError, match="open now"):
+        assigntape.uninstall()
+    assert _snapshot() == before and _patches.installed()
+    if where == "this thread":
+        plain.__exit__(None, None, None)
+    else:
+        release.set()
+        assert done.wait(30)
+    assigntape.uninstall()
+    assert not _patches.installed()
+    with AssignAwareTape():
+        c.assign(x * 3.0)
+    gc.collect()
+    assert not _versions._all_scopes  # the closed plain tape holds nothing
+    kept = weakref.ref(plain)
+    del plain
+    gc.collect()
+    assert kept() is None
+
+    @tf.function
+    def step():
+        c.assign_add([1.0, 1.0])
+        return c * 2.0
+
+    assert step().numpy().tolist() == [8.0, 14.0]
 
 
 def test_another_threads_write_is_refused_after_reads_through_a_kept_assign_result():
