@@ -649,16 +649,22 @@ def cut(scopes: List[Scope], var: Any, what: str, after: Any = None) -> None:
 # as a write under stop_recording is (see ``AssignAwareTape.__enter__``).
 # They are ``_leases.closed``: while any is there, the patches are needed.
 closed_tapes = _leases.closed
+_closed_refs = closed_tapes.data
 
 
 def note_write_while_closed(handle: Any, var: Any = None) -> None:
     """Notes, on every closed tape, that the variable behind ``handle`` (its
     own handle, as served with no tape open) or ``var`` was written."""
-    if not closed_tapes:
+    if not _closed_refs:
         return
     own = handle if var is None else canonical_handle(var)
-    for r in list(closed_tapes):
-        r.written_while_closed[id(own)] = own
+    # The weak set's own references, not its iterator: every write inside a
+    # tape comes here while a plain tape that exited inside it lives (the
+    # iterator's guard costs more than the rest).
+    for ref in list(_closed_refs):
+        r = ref()
+        if r is not None:
+            r.written_while_closed[id(own)] = own
 
 
 def forget_closed_writes(tape_record: Record) -> None:
