@@ -199,7 +199,7 @@ def accumulator_exit(wrapped: Callable[..., Any], instance: Any, args: Any, kwar
     if snapshot is not None:
         setattr(instance, _END, snapshot)
     result = wrapped(*args, **kwargs)
-    _closed(instance)
+    _closed(instance, snapshot)
     return result
 
 
@@ -231,7 +231,7 @@ def _opened(instance: Any) -> None:
             # otherwise take the versions current at this re-entry).
             setattr(instance, _START, {})
         if held_in is key:
-            _versions.resume_holder(instance, versions, record.written_while_closed)
+            _versions.resume_holder(instance, versions, record.written_while_closed, getattr(instance, "stop_recording", None))
 
 
 def _still_open(instance: Any) -> bool:
@@ -255,8 +255,8 @@ def open_anywhere() -> int:
 
 
 def _closed(instance: Any, ends: Optional[Dict[str, Any]] = None) -> None:
-    """It exits: ``ends``, for a plain tape exiting where a tape of ours is
-    about, the versions current now."""
+    """It exits: ``ends``, for a plain tape or accumulator exiting where a
+    tape of ours is about, the versions current now."""
     _forget_open(instance)
     held = _versions.held_by(instance)
     _versions.release_holder(instance)

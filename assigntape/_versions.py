@@ -24,7 +24,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from assigntape._tf import (
     ShardedVariable,
@@ -357,7 +357,9 @@ def held_by(holder: Any) -> Dict[str, Tuple[Any, Any]]:
     return owned(scope.current)
 
 
-def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any]) -> None:
+def resume_holder(
+    holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], pause: Optional[Callable[[], Any]] = None
+) -> None:
     """A plain tape or forward accumulator that held versions (``held_by``),
     or a plain tape that exited where a tape of ours was open (``owned``: the
     versions current then), is entered again, in the same graph, with no tape
@@ -365,9 +367,20 @@ def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[i
     meanwhile (``written``, by id of their own handle): for it such a write is
     one it did not record, as under ``stop_recording``, so they go on from a
     new version with no gradient path (their own handle may be a version it
-    started from)."""
+    started from).
+
+    Entered again where a tape of ours is open (one opened since), it goes on
+    from them too, and that tape from its own: see ``_resume_inside``
+    (``pause``: the holder's ``stop_recording``; an accumulator has none, and
+    goes on from that tape's versions).
+    """
     key = current_key()
-    if key in _scopes() or not (held or written):
+    inside = _scopes().get(key)
+    if inside is not None:
+        if pause is not None:
+            _resume_inside(inside, held, written, pause)
+        return
+    if not (held or written):
         return
     scope = _scopes()[key] = Scope(key)
     _list(scope)
@@ -384,6 +397,37 @@ def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[i
         var = variable_of_handle(own)
         if var is not None:
             scope.adopt(var, new_version(own, None))
+
+
+def _resume_inside(scope: Scope, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], pause: Callable[[], Any]) -> None:
+    """``resume_holder`` where ``scope`` is open: each variable no tape of
+    ``scope`` wrote goes on from the holder's version (or, written while the
+    holder was closed, from a new one it has no path through), recorded with
+    the holder paused as an identity of the variable's own handle, which the
+    tapes of ``scope`` (opened since: they know no other) read it by. A
+    variable a tape of ``scope`` wrote goes on from that tape's version, made
+    by a write the holder did not record."""
+    written = dict(written)
+    resumed = []
+    for handle, var in held.values():
+        own = canonical_handle(var)
+        if written.pop(id(own), None) is not None:
+            handle = new_version(own, None)
+        if var._unique_id not in scope.current:
+            resumed.append((var, own, handle))
+    for own in written.values():
+        var = variable_of_handle(own)
+        if var is not None and var._unique_id not in scope.current:
+            resumed.append((var, own, new_version(own, None)))
+    with pause():
+        for var, own, handle in resumed:
+            # Watched as a read would (through its own handle, current here):
+            # the identity is recorded on the tapes that watch it.
+            resource_variable_ops.variable_accessed(var)
+            record.record_operation("Identity", [handle], [own], lambda g: [g], forward_function=lambda t: [t])
+            scope.adopt(var, handle)
+            for r in scope.records:
+                r.note_write(var, own, handle, WriteRecord("Identity"))
 
 
 def owned(versions: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:
@@ -1163,6 +1207,13 @@ def constructed(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
     handle = instance.__dict__.get("_handle")
     if handle is not None:
         note_handle(instance, handle)
+        # Its initialization went through the write patches (which could not
+        # name it yet) as a write: for a closed tape it is creation, not a
+        # write made while it was closed (its first read would be cut).
+        for ref in list(_closed_refs) if _closed_refs else ():
+            r = ref()
+            if r is not None:
+                r.written_while_closed.pop(id(handle), None)
 
 
 def _no_handle(inst: Any) -> AttributeError:

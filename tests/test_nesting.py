@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict
 
 import numpy as np
@@ -358,11 +359,13 @@ def test_a_plain_tape_entered_again_names_a_source_by_its_first_entry(mode):
 _REENTRY_START = {"v": 2.0, "a": 3.0, "x": [1.0, 2.0], "c": [0.0, 0.0]}
 
 
-def _exited_inside_then_entered_again(case: str, between: str, cell: Dict[str, Any]) -> Any:
+def _exited_inside_then_entered_again(case: str, between: str, again: str, cell: Dict[str, Any]) -> Any:
     """A persistent plain tape P exits inside an AssignAwareTape; the
-    AssignAwareTape closes; P is entered again. ``cell``: the variables, or
-    for the rewrite tensors (rebound by each write, and no AssignAwareTape).
-    ``case``: what P sees.
+    AssignAwareTape closes; P is entered again (``again``: alone, or inside a
+    new persistent AssignAwareTape T, whose gradients with respect to v, x, c
+    at its entry are returned too). ``cell``: the variables, or for the
+    rewrite tensors (rebound by each write, and plain tapes, watching at
+    their entry the tensors a variable source means). ``case``: what P sees.
 
     * ``source``: v is written (v = v a) before P's entry; P reads v*v after
       its re-entry: dy/dv is for the version at P's entry.
@@ -402,28 +405,101 @@ def _exited_inside_then_entered_again(case: str, between: str, cell: Dict[str, A
     if between == "a write":
         write("v", tf.constant(10.0, f64))
         write("c", tf.constant([5.0, 7.0], f64))
-    with plain:
-        y = read("v") * read("v") + tf.reduce_sum(read("c") * read("c"))
+    around = aware(persistent=True) if again == "inside a new aware tape" else contextlib.nullcontext()
+    with around:
+        if rewrite and again != "alone":
+            around.watch([cell["v"], cell["x"], cell["c"]])
+        at_entry = [cell["v"], cell["x"], cell["c"]]
+        with plain:
+            y = read("v") * read("v") + tf.reduce_sum(read("c") * read("c"))
     sources = [source, x] if rewrite else [cell["v"], cell["x"]]
-    return [tf.fill([1], np.nan) if g is None else tf.reshape(g, [-1]) for g in plain.gradient(y, sources)]
+    grads = plain.gradient(y, sources)
+    if again != "alone":
+        grads += around.gradient(y, at_entry)
+    return [tf.fill([1], np.nan) if g is None else tf.reshape(g, [-1]) for g in grads]
 
 
 @modes
 @pytest.mark.parametrize("case", ["source", "target_chain", "written_while_closed"])
 @pytest.mark.parametrize("between", ["nothing", "a write"])
-def test_a_plain_tape_exited_inside_an_aware_tape_goes_on_from_its_versions_when_entered_again(mode, case, between):
-    """Found by an adversarial review: P entered again after the AssignAwareTape
-    closed read the variables' own handles, so a source's gradient was None
-    (``source``), a write's chain was lost (``target_chain``), or a write P
-    never recorded was credited to the variable (``written_while_closed``)."""
+@pytest.mark.parametrize("again", ["alone", "inside a new aware tape"])
+def test_a_plain_tape_exited_inside_an_aware_tape_goes_on_from_its_versions_when_entered_again(mode, case, between, again):
+    """Found by adversarial reviews: P entered again after the AssignAwareTape
+    closed (alone, or inside another) read the variables' own handles, so a
+    source's gradient was None (``source``), a write's chain was lost
+    (``target_chain``), or a write P never recorded was credited to the
+    variable (``written_while_closed``)."""
     with AssignAwareTape():
         pass  # installed before the plain tape opens
     variables = {k: tf.Variable(value, dtype=tf.float64) for k, value in _REENTRY_START.items()}
-    got = run(mode, lambda: _exited_inside_then_entered_again(case, between, variables))
+    got = run(mode, lambda: _exited_inside_then_entered_again(case, between, again, variables))
     tensors = {k: tf.constant(value, tf.float64) for k, value in _REENTRY_START.items()}
-    expected = _exited_inside_then_entered_again(case, between, tensors)
+    expected = _exited_inside_then_entered_again(case, between, again, tensors)
+    assert len(got) == len(expected)
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-12)
+
+
+@modes
+@pytest.mark.parametrize("accumulator", ["tf.autodiff", "assigntape"])
+@pytest.mark.parametrize("between", ["nothing", "a write"])
+def test_an_accumulator_exited_inside_an_aware_tape_goes_on_from_its_versions_when_entered_again(mode, accumulator, between):
+    """As for a plain tape: an accumulator that recorded v = v x inside an
+    AssignAwareTape, entered again after it closed, reads that version, whose
+    tangent it knows (found by an adversarial review: the jvp was None)."""
+    import assigntape
+
+    with AssignAwareTape():
+        pass  # installed before the accumulator opens
+    f64 = tf.float64
+    kind = tf.autodiff.ForwardAccumulator if accumulator == "tf.autodiff" else assigntape.ForwardAccumulator
+    v = tf.Variable([1.0, 2.0], dtype=f64)
+
+    def program():
+        v.assign([1.0, 2.0])
+        x = tf.constant(2.0, f64)
+        acc = kind(x, tf.constant(1.0, f64))
+        with AssignAwareTape():
+            with acc:
+                v.assign(v * x)
+        if between == "a write":
+            v.assign(v + 1.0)  # not recorded: a constant for the accumulator
+        with acc:
+            y = tf.reduce_sum(v * v)
+        return acc.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    # The rewrite: v1 = v0 x (tangent v0), v2 = v1 or stop_gradient(v1) + 1.
+    x = tf.constant(2.0, f64)
+    with tf.autodiff.ForwardAccumulator(x, tf.constant(1.0, f64)) as acc:
+        v1 = tf.constant([1.0, 2.0], f64) * x
+    v2 = v1 if between == "nothing" else tf.stop_gradient(v1) + 1.0
+    with acc:
+        y = tf.reduce_sum(v2 * v2)
+    expected = acc.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    np.testing.assert_allclose(float(run(mode, program)), float(expected), rtol=1e-12)
+
+
+@pytest.mark.parametrize("tape", ["plain", "persistent aware"])
+def test_a_variable_made_while_a_tape_is_closed_is_not_a_write_for_it(tape):
+    """Its initialization went through the write patches: noted as a write
+    made while the tape was closed, its first read after the tape's re-entry
+    was cut from it (found by an adversarial review: dy/dw None, not 2w)."""
+    f64 = tf.float64
+    v = tf.Variable(2.0, dtype=f64)
+    closed = tf.GradientTape(persistent=True) if tape == "plain" else AssignAwareTape(persistent=True)
+    if tape == "plain":
+        with AssignAwareTape():
+            with closed:
+                v.assign(v * 3.0)
+    else:
+        with closed:
+            v.assign(v * 3.0)
+    w = tf.Variable(5.0, dtype=f64)
+    with closed:
+        y = w * w + v
+    with tf.GradientTape() as plain:  # plain TensorFlow: creation is not a write
+        y_plain = w * w
+    assert float(closed.gradient(y, w)) == float(plain.gradient(y_plain, w)) == 10.0
 
 
 def test_a_plain_tape_outside_a_function_is_not_held_by_a_tape_inside_it():
