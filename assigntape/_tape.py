@@ -110,18 +110,27 @@ class AssignAwareTape(tf.GradientTape):
         # this tape the write has no gradient path, as under stop_recording().
         written = record.written_while_closed
         latest = record.latest()
+        resumed = []
         for uid, mine in latest.items():
             var = record.owner_of(uid, mine)
             current = scope.current.get(uid)
             if current is None:
-                current = mine
-                # Seen, too: another thread must not write it behind the tape.
-                scope.adopt(var, current)
-                if written.pop(id(_versions.canonical_handle(var)), None) is not None:
-                    scope.advance(var, current, _versions.new_version(current, None), _versions.CLOSED_WRITE)
-                    continue
+                # It goes on from its version, or from a new one, made by a
+                # write it did not record. (Seen, too, once current: another
+                # thread must not write it behind the tape.)
+                own = _versions.canonical_handle(var)
+                if written.pop(id(own), None) is None:
+                    resumed.append((var, own, mine))
+                else:
+                    new = _versions.new_version(own, None)
+                    record.note_write(var, mine, new, _versions.CLOSED_WRITE)
+                    resumed.append((var, own, new))
+                continue
             if current is not mine:
                 record.note_write(var, mine, current, _versions.CLOSED_WRITE)
+        # Recorders opened since it closed know these variables by their own
+        # handles: for them each version it goes on from is one.
+        _versions.go_on_from(scope, resumed, record)
         for uid, current in scope.current.items():
             var = scope.owners.get(id(current))
             if uid not in latest and var is not None:

@@ -420,14 +420,32 @@ def _resume_inside(scope: Scope, held: Dict[str, Tuple[Any, Any]], written: Dict
         if var is not None and var._unique_id not in scope.current:
             resumed.append((var, own, new_version(own, None)))
     with pause():
+        go_on_from(scope, resumed)
+
+
+def go_on_from(scope: Scope, resumed: Sequence[Tuple[Any, Any, Any]], resuming: Optional[Record] = None) -> None:
+    """Makes each ``(variable, its own handle, version)`` of ``resumed``, the
+    versions a tape entered again goes on from, current in ``scope``: for the
+    other recorders, opened since it was closed (none open then and still is:
+    the scope would have kept its versions), each is an identity of the
+    variable's own handle, which they know it by. Recorded while the tape
+    resuming (``resuming``'s, or one paused by the caller) does not record:
+    it knows each version's own history."""
+    if resuming is not None:
+        resuming.pause()
+    try:
         for var, own, handle in resumed:
-            # Watched as a read would (through its own handle, current here):
-            # the identity is recorded on the tapes that watch it.
+            # Watched as a read would (through its own handle, current here
+            # until adopted): the identity is recorded on the tapes watching it.
             resource_variable_ops.variable_accessed(var)
             record.record_operation("Identity", [handle], [own], lambda g: [g], forward_function=lambda t: [t])
             scope.adopt(var, handle)
             for r in scope.records:
-                r.note_write(var, own, handle, WriteRecord("Identity"))
+                if r is not resuming:
+                    r.note_write(var, own, handle, WriteRecord("Identity"))
+    finally:
+        if resuming is not None:
+            resuming.resume()
 
 
 def owned(versions: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:

@@ -502,6 +502,84 @@ def test_a_variable_made_while_a_tape_is_closed_is_not_a_write_for_it(tape):
     assert float(closed.gradient(y, w)) == float(plain.gradient(y_plain, w)) == 10.0
 
 
+def _persistent_tape_entered_again_inside(recorder: str, between: str, cell: Dict[str, Any]) -> Any:
+    """A persistent tape T writes v = v a and closes; a recorder R (a plain
+    tape or an AssignAwareTape) opens after; T is entered again inside R and
+    reads v. Returns R's dy/dv (v at R's entry) and T's dy/dv, dy/da (at its
+    first entry). ``cell``: the variables, or for the rewrite tensors under
+    plain tapes watching at their entry what a variable source means there."""
+    f64 = tf.float64
+    rewrite = not isinstance(cell["v"], tf.Variable)
+    if not rewrite:
+        cell["v"].assign(tf.constant(2.0, f64))
+    tape = tf.GradientTape(persistent=True) if rewrite else AssignAwareTape(persistent=True)
+    with tape:
+        if rewrite:
+            tape.watch([cell["v"], cell["a"]])
+        v_first, a = cell["v"], cell["a"]
+        if rewrite:
+            cell["v"] = cell["v"] * cell["a"]
+        else:
+            cell["v"].assign(cell["v"] * cell["a"])
+    if between == "a write" and rewrite:
+        cell["v"] = tf.constant(10.0, f64)
+    elif between == "a write":
+        cell["v"].assign(tf.constant(10.0, f64))
+    outer = tf.GradientTape() if rewrite or recorder == "plain" else AssignAwareTape()
+    with outer:
+        if rewrite:
+            outer.watch(cell["v"])
+        v_at_outer = cell["v"]
+        with tape:
+            y = 2.0 * cell["v"] * cell["v"]
+    d_outer = outer.gradient(y, v_at_outer)
+    d_v, d_a = tape.gradient(y, [v_first, a])
+    return [np.nan if g is None else g for g in (d_outer, d_v, d_a)]
+
+
+@modes
+@pytest.mark.parametrize("recorder", ["plain", "aware"])
+@pytest.mark.parametrize("between", ["nothing", "a write"])
+def test_a_persistent_tape_entered_again_inside_a_recorder_opened_since(mode, recorder, between):
+    """Found by an adversarial review: entered again, T read v through its own
+    latest version, which a recorder opened since never saw made (its dy/dv
+    was None)."""
+    variables = {"v": tf.Variable(2.0, dtype=tf.float64), "a": tf.Variable(3.0, dtype=tf.float64)}
+    got = [float(g) for g in run(mode, lambda: _persistent_tape_entered_again_inside(recorder, between, variables))]
+    tensors = {"v": tf.constant(2.0, tf.float64), "a": tf.constant(3.0, tf.float64)}
+    expected = [float(g) for g in _persistent_tape_entered_again_inside(recorder, between, tensors)]
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("accumulator", ["tf.autodiff", "assigntape"])
+def test_a_persistent_tape_entered_again_inside_an_accumulator_opened_since(accumulator):
+    """As above, for an accumulator whose primal is the variable: T reads v
+    (= 3, written by T before) through its own version, whose tangent is the
+    variable's (found by an adversarial review: the jvp was None). Eagerly
+    only: in a tf.function it is still None (README, "Known limits")."""
+    mode = "eager"
+    import assigntape
+
+    kind = tf.autodiff.ForwardAccumulator if accumulator == "tf.autodiff" else assigntape.ForwardAccumulator
+    v = tf.Variable(1.0, dtype=tf.float64)
+
+    def program():
+        v.assign(1.0)
+        tape = AssignAwareTape(persistent=True)
+        with tape:
+            v.assign(v * 3.0)
+        with kind(v, tf.constant(1.0, tf.float64)) as acc:
+            with tape:
+                y = 2.0 * v * v
+        return acc.jvp(y)
+
+    # The rewrite: the accumulator's primal is v at its entry, 3: dy = 4 v = 12.
+    primal = tf.constant(3.0, tf.float64)
+    with tf.autodiff.ForwardAccumulator(primal, tf.constant(1.0, tf.float64)) as acc:
+        y = 2.0 * primal * primal
+    np.testing.assert_allclose(float(run(mode, program)), float(acc.jvp(y)), rtol=1e-12)
+
+
 def test_a_plain_tape_outside_a_function_is_not_held_by_a_tape_inside_it():
     """Versions made in a tf.function's graph end with it: a plain tape open
     eagerly around the call sees the function as a whole (plain TensorFlow)."""
