@@ -231,7 +231,9 @@ def _opened(instance: Any) -> None:
             # otherwise take the versions current at this re-entry).
             setattr(instance, _START, {})
         if held_in is key:
-            _versions.resume_holder(instance, versions, record.written_while_closed, getattr(instance, "stop_recording", None))
+            # (A tape pauses through its record; an accumulator cannot.)
+            resuming = record if hasattr(instance, "_pop_tape") else None
+            _versions.resume_holder(instance, versions, record.written_while_closed, resuming)
 
 
 def _still_open(instance: Any) -> bool:

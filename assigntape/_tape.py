@@ -116,20 +116,17 @@ class AssignAwareTape(tf.GradientTape):
             current = scope.current.get(uid)
             if current is None:
                 # It goes on from its version, or from a new one, made by a
-                # write it did not record. (Seen, too, once current: another
-                # thread must not write it behind the tape.)
+                # write it did not record (its latest from now on). Either
+                # becomes current at the variable's first read here.
                 own = _versions.canonical_handle(var)
-                if written.pop(id(own), None) is None:
-                    resumed.append((var, own, mine))
-                else:
+                if written.pop(id(own), None) is not None:
                     new = _versions.new_version(own, None)
                     record.note_write(var, mine, new, _versions.CLOSED_WRITE)
-                    resumed.append((var, own, new))
+                    mine = new
+                resumed.append((var, own, mine))
                 continue
             if current is not mine:
                 record.note_write(var, mine, current, _versions.CLOSED_WRITE)
-        # Recorders opened since it closed know these variables by their own
-        # handles: for them each version it goes on from is one.
         _versions.go_on_from(scope, resumed, record)
         for uid, current in scope.current.items():
             var = scope.owners.get(id(current))

@@ -24,7 +24,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from assigntape._tf import (
     ShardedVariable,
@@ -80,7 +80,7 @@ class Scope:
     """The versions of one thread in one graph (``None`` for eager execution)."""
 
     __slots__ = (
-        "key", "thread", "current", "owners", "records", "holders", "seen", "canonical", "pinned", "dirty", "unnamed"
+        "key", "thread", "current", "owners", "records", "holders", "seen", "canonical", "pinned", "dirty", "resumed", "unnamed"
     )
 
     def __init__(self, key: Any) -> None:
@@ -116,6 +116,10 @@ class Scope:
         # when it was written): writes no tape here saw, made while those tapes
         # were closed, resolved at the variable's first read (``cut_on_first_read``).
         self.dirty: Dict[int, Tuple[Any, List[Any]]] = {}
+        # id(a variable's own handle) -> (a version, the record of the tape
+        # entered again that goes on from it): each also in ``dirty``, whose
+        # first read makes it current (``go_on_from``).
+        self.resumed: Dict[int, Tuple[Any, Any]] = {}
         # id(handle) -> (handle, op name): variables written, since the tape
         # opened, through a handle no tape could name (``unknown_variable_write``).
         self.unnamed: Dict[int, Tuple[Any, str]] = {}
@@ -358,7 +362,7 @@ def held_by(holder: Any) -> Dict[str, Tuple[Any, Any]]:
 
 
 def resume_holder(
-    holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], pause: Optional[Callable[[], Any]] = None
+    holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], resuming: Optional[Record] = None
 ) -> None:
     """A plain tape or forward accumulator that held versions (``held_by``),
     or a plain tape that exited where a tape of ours was open (``owned``: the
@@ -371,14 +375,14 @@ def resume_holder(
 
     Entered again where a tape of ours is open (one opened since), it goes on
     from them too, and that tape from its own: see ``_resume_inside``
-    (``pause``: the holder's ``stop_recording``; an accumulator has none, and
-    goes on from that tape's versions).
+    (``resuming``: the holder's record, which pauses it; an accumulator has
+    none, and goes on from that tape's versions).
     """
     key = current_key()
     inside = _scopes().get(key)
     if inside is not None:
-        if pause is not None:
-            _resume_inside(inside, held, written, pause)
+        if resuming is not None:
+            _resume_inside(inside, held, written, resuming)
         return
     if not (held or written):
         return
@@ -399,53 +403,39 @@ def resume_holder(
             scope.adopt(var, new_version(own, None))
 
 
-def _resume_inside(scope: Scope, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], pause: Callable[[], Any]) -> None:
+def _resume_inside(scope: Scope, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], resuming: Record) -> None:
     """``resume_holder`` where ``scope`` is open: each variable no tape of
-    ``scope`` wrote goes on from the holder's version (or, written while the
-    holder was closed, from a new one it has no path through), recorded with
-    the holder paused as an identity of the variable's own handle, which the
-    tapes of ``scope`` (opened since: they know no other) read it by. A
-    variable a tape of ``scope`` wrote goes on from that tape's version, made
-    by a write the holder did not record."""
-    written = dict(written)
+    ``scope`` wrote goes on from the holder's version (``go_on_from``), or,
+    written while the holder was closed, from a new version it has no path
+    through, made at its first read (``cut_on_first_read``). A variable a
+    tape of ``scope`` wrote goes on from that tape's version, made by a write
+    the holder did not record."""
     resumed = []
     for handle, var in held.values():
         own = canonical_handle(var)
-        if written.pop(id(own), None) is not None:
-            handle = new_version(own, None)
-        if var._unique_id not in scope.current:
+        if id(own) not in written and var._unique_id not in scope.current:
             resumed.append((var, own, handle))
+    go_on_from(scope, resumed, resuming)
     for own in written.values():
         var = variable_of_handle(own)
         if var is not None and var._unique_id not in scope.current:
-            resumed.append((var, own, new_version(own, None)))
-    with pause():
-        go_on_from(scope, resumed)
+            scope.dirty.setdefault(id(own), (own, []))[1].append(resuming)
+            scope.seen.add(var._unique_id)
 
 
-def go_on_from(scope: Scope, resumed: Sequence[Tuple[Any, Any, Any]], resuming: Optional[Record] = None) -> None:
-    """Makes each ``(variable, its own handle, version)`` of ``resumed``, the
-    versions a tape entered again goes on from, current in ``scope``: for the
-    other recorders, opened since it was closed (none open then and still is:
-    the scope would have kept its versions), each is an identity of the
-    variable's own handle, which they know it by. Recorded while the tape
-    resuming (``resuming``'s, or one paused by the caller) does not record:
-    it knows each version's own history."""
-    if resuming is not None:
-        resuming.pause()
-    try:
-        for var, own, handle in resumed:
-            # Watched as a read would (through its own handle, current here
-            # until adopted): the identity is recorded on the tapes watching it.
-            resource_variable_ops.variable_accessed(var)
-            record.record_operation("Identity", [handle], [own], lambda g: [g], forward_function=lambda t: [t])
-            scope.adopt(var, handle)
-            for r in scope.records:
-                if r is not resuming:
-                    r.note_write(var, own, handle, WriteRecord("Identity"))
-    finally:
-        if resuming is not None:
-            resuming.resume()
+def go_on_from(scope: Scope, resumed: Sequence[Tuple[Any, Any, Any]], resuming: Record) -> None:
+    """Each ``(variable, its own handle, version)`` of ``resumed``: the tape of
+    ``resuming``, entered again, goes on from that version. The tapes opened
+    since it was closed know the variable by its own handle (none open then
+    and still is: the scope would have kept its versions), so at its first
+    read here the version becomes current, recorded as an identity of that
+    handle on every recorder but those that know it and those that did not
+    see it made (``cut_on_first_read``). Noted as seen now: another thread
+    must not write it behind the tape."""
+    for var, own, handle in resumed:
+        scope.dirty.setdefault(id(own), (own, []))
+        scope.resumed[id(own)] = (handle, resuming)
+        scope.seen.add(var._unique_id)
 
 
 def owned(versions: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:
@@ -478,6 +468,7 @@ def _drop(scope: Scope) -> None:
     scope.seen.clear()
     scope.canonical.clear()
     scope.dirty.clear()
+    scope.resumed.clear()
     scope.unnamed.clear()
     if _with_unnamed:
         with _all_lock:
@@ -750,9 +741,17 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
     path for the tapes that were closed at the write, and an identity for the
     tapes opened since (for them the write came before they started)."""
     closed_at_write = scope.dirty.pop(id(own))[1]
-    new = new_version(own, None)
-    # Record the identity on every recording tape except those that were closed.
-    paused = [r for r in scope.records if r in closed_at_write and r.recording()]
+    # Or the version a tape entered again goes on from (``go_on_from``).
+    new, resuming = scope.resumed.pop(id(own), (None, None))
+    if new is None:
+        new = new_version(own, None)
+    # Record the identity on every recording tape except those that were
+    # closed (those of ours here, or plain ones entered again) and the one
+    # that knows the version.
+    paused: List[Any] = []
+    for r in [*closed_at_write, resuming]:
+        if r is not None and r.recording() and all(r is not p for p in paused):
+            paused.append(r)
     for r in paused:
         r.pause()
     try:
@@ -764,7 +763,8 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
             r.resume()
     scope.adopt(var, new)
     for r in scope.records:
-        r.note_write(var, own, new, CLOSED_WRITE if r in closed_at_write else WriteRecord("Identity"))
+        if r is not resuming:
+            r.note_write(var, own, new, CLOSED_WRITE if r in closed_at_write else WriteRecord("Identity"))
     return new
 
 

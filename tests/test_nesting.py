@@ -580,6 +580,100 @@ def test_a_persistent_tape_entered_again_inside_an_accumulator_opened_since(accu
     np.testing.assert_allclose(float(run(mode, program)), float(acc.jvp(y)), rtol=1e-12)
 
 
+@modes
+def test_two_plain_tapes_entered_again_inside_one_aware_tape_each_go_on_from_their_own(mode):
+    """P records v = v a, then R records v = v b (while P is closed), inside
+    one AssignAwareTape; inside a new one P and then R are entered again.
+    For R, v is its own version (v0 a b); for P, R's write is one it did not
+    record; for the new tape, v at its entry (found by an adversarial review:
+    P's re-entry took v's place and R lost its path)."""
+    f64 = tf.float64
+    v, a, b = (tf.Variable(x, dtype=f64) for x in (2.0, 3.0, 5.0))
+
+    def program():
+        v.assign(2.0)
+        first, second = tf.GradientTape(persistent=True), tf.GradientTape(persistent=True)
+        with AssignAwareTape():
+            with first:
+                v.assign(v * a)
+            with second:
+                v.assign(v * b)
+        with AssignAwareTape(persistent=True) as new:
+            with first:
+                pass
+            with second:
+                y = v * v
+        return [np.nan if g is None else g for g in (*second.gradient(y, [v, b]), first.gradient(y, v), new.gradient(y, v))]
+
+    # The rewrite: v1 = v0 a = 6, v2 = v1 b = 30, y = v2^2. R's source v is
+    # v at its entry, v1: dy/dv1 = 2 v2 b = 300, dy/db = 2 v2 v1 = 360. P:
+    # v2 came from a write it did not record: no path. The new tape: v at its
+    # entry is v2: dy/dv2 = 2 v2 = 60.
+    np.testing.assert_allclose([float(g) for g in run(mode, program)], [300.0, 360.0, np.nan, 60.0], rtol=1e-12)
+
+
+@modes
+@pytest.mark.parametrize("order", ["written while both closed", "the aware tape entered first"])
+def test_a_plain_tape_entered_again_inside_an_aware_tape_entered_again(mode, order):
+    """A persistent AssignAwareTape T2 and a plain tape P both entered again,
+    P inside T2, after a write T2 did not see (found by an adversarial review:
+    T2 was credited through the identity made for P)."""
+    f64 = tf.float64
+    v = tf.Variable(2.0, dtype=f64)
+
+    def program():
+        v.assign(2.0)
+        plain = tf.GradientTape(persistent=True)
+        aware = AssignAwareTape(persistent=True)
+        if order == "written while both closed":
+            with AssignAwareTape():
+                with plain:
+                    v.assign(v * 3.0)  # 6
+            with aware:
+                y = v * 1.0
+            v.assign(1.0)
+        else:
+            with aware:
+                y = v * 1.0
+            with AssignAwareTape():
+                with plain:
+                    v.assign(v * 3.0)
+        with aware:
+            with plain:
+                y = y + v * v
+        return [np.nan if g is None else g for g in (aware.gradient(y, v), plain.gradient(y, v))]
+
+    # The rewrite. Written while both closed: T2's source is v = 6 (read by
+    # y's first term): dy/dv = 1; the value 1 P and T2 read then came from a
+    # write neither recorded. P's source v0 = 2: no path. Entered first: T2's
+    # source v0 = 2 reaches y only through its first term (P's write was made
+    # while T2 was closed): 1; P goes on from v1 = 3 v0: dy/dv0 = 2 v1 3 = 36.
+    expected = [1.0, np.nan] if order == "written while both closed" else [1.0, 36.0]
+    np.testing.assert_allclose([float(g) for g in run(mode, program)], expected, rtol=1e-12)
+
+
+def test_an_aware_tape_a_plain_tape_is_entered_again_inside_watches_what_it_reads():
+    """As tf.GradientTape in its place: the variables P goes on from are not
+    watched by T2 until read (found by an adversarial review: T2 listed v,
+    which it never read, and a gradient over its watched variables had a
+    None)."""
+    f64 = tf.float64
+
+    def watched(kind: Any) -> Any:
+        v, u = tf.Variable(2.0, dtype=f64, name="v"), tf.Variable(1.0, dtype=f64, name="u")
+        plain = tf.GradientTape(persistent=True)
+        with AssignAwareTape():
+            with plain:
+                v.assign(v * 2.0)
+        with kind(persistent=True) as t2:
+            with plain:
+                y = u * 3.0
+        names = [w.name for w in t2.watched_variables()]
+        return names, [float(g) for g in t2.gradient(y, t2.watched_variables())]
+
+    assert watched(AssignAwareTape) == watched(tf.GradientTape) == (["u:0"], [3.0])
+
+
 def test_a_plain_tape_outside_a_function_is_not_held_by_a_tape_inside_it():
     """Versions made in a tf.function's graph end with it: a plain tape open
     eagerly around the call sees the function as a whole (plain TensorFlow)."""
