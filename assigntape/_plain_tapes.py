@@ -72,7 +72,7 @@ def _snapshot() -> Optional[Dict[str, Any]]:
     if found is None:
         return None
     scope, branch = found
-    snapshot = dict(scope.current)
+    snapshot = scope.current_versions()
     chain = []
     while branch is not None:
         chain.append(branch)
@@ -402,6 +402,14 @@ _GRADIENT_PARAMS = ("target", "sources", "output_gradients", "unconnected_gradie
 
 
 def unfollowed(instance: Any, args: Any, kwargs: Any) -> bool:
+    """Whether ``gradient`` can be TensorFlow's, called at once: it asks
+    TensorFlow (``_asks_tensorflow``), and the tape keeps no record of the
+    writes made while it is closed, which ``gradient`` lets go after a
+    non-persistent tape's one gradient."""
+    return _HELD not in instance.__dict__ and _asks_tensorflow(instance, args, kwargs)
+
+
+def _asks_tensorflow(instance: Any, args: Any, kwargs: Any) -> bool:
     """Whether ``gradient`` is TensorFlow's for this tape and question: the tape
     is one of ours (which maps its own question), or a plain tape never beside
     one of ours, or one opened with no version about and none made since,
@@ -428,8 +436,22 @@ def unfollowed(instance: Any, args: Any, kwargs: Any) -> bool:
 
 def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``GradientTape.gradient`` of a plain tape: variables named as above."""
-    if unfollowed(instance, args, kwargs) or not binds(_GRADIENT_PARAMS, 2, args, kwargs):
-        return wrapped(*args, **kwargs)
+    if _asks_tensorflow(instance, args, kwargs) or not binds(_GRADIENT_PARAMS, 2, args, kwargs):
+        grads = wrapped(*args, **kwargs)
+    else:
+        grads = _mapped_gradient(wrapped, instance, args, kwargs)
+    notes = instance.__dict__
+    if _HELD in notes and instance._tape is None:
+        # A non-persistent tape's recording went with its gradient: entered
+        # again, it records anew, from nothing. Its record of the writes made
+        # while it is closed goes now, not when the tape is garbage: until
+        # then every dormant patch would take its slow path (a Keras train
+        # step inside a tape of ours exits its tape, asks it, then writes).
+        _versions.closed_tapes.discard(notes.pop(_HELD)[2])
+    return grads
+
+
+def _mapped_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     arguments = bind(_GRADIENT_PARAMS, args, kwargs)
     open_now = _still_open(instance)
     start, end = getattr(instance, _START, None), _end(instance)

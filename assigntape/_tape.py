@@ -119,11 +119,12 @@ class AssignAwareTape(tf.GradientTape):
                 # write it did not record (its latest from now on). Either
                 # becomes current at the variable's first read here.
                 own = _versions.canonical_handle(var)
-                if written.pop(id(own), None) is not None:
+                made = written.pop(id(own), None) is not None
+                if made:
                     new = _versions.new_version(own, None)
                     record.note_write(var, mine, new, _versions.CLOSED_WRITE)
                     mine = new
-                resumed.append((var, own, mine))
+                resumed.append((var, own, mine, made))
                 continue
             if current is not mine:
                 record.note_write(var, mine, current, _versions.CLOSED_WRITE)
@@ -178,7 +179,7 @@ class AssignAwareTape(tf.GradientTape):
         _versions.forget_closed_writes(self._record)
         self._entered = self._scope is not None
         scope = self._scope
-        self._record.restart({} if scope is None else scope.current, {} if scope is None else scope.owners)
+        self._record.restart({} if scope is None else scope.current_versions(), {} if scope is None else scope.owners)
 
     def _snapshot_start(self, scope: _versions.Scope) -> None:
         """The versions current now (written by another tape) start this tape."""

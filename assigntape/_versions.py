@@ -116,13 +116,22 @@ class Scope:
         # when it was written): writes no tape here saw, made while those tapes
         # were closed, resolved at the variable's first read (``cut_on_first_read``).
         self.dirty: Dict[int, Tuple[Any, List[Any]]] = {}
-        # id(a variable's own handle) -> (a version, the record of the tape
-        # entered again that goes on from it): each also in ``dirty``, whose
+        # id(a variable's own handle) -> (a version, its variable, whether it
+        # was made for a write no tape here saw, the records of the tapes
+        # entered again that go on from it): each also in ``dirty``, whose
         # first read makes it current (``go_on_from``).
-        self.resumed: Dict[int, Tuple[Any, Any]] = {}
+        self.resumed: Dict[int, Tuple[Any, Any, bool, List[Any]]] = {}
         # id(handle) -> (handle, op name): variables written, since the tape
         # opened, through a handle no tape could name (``unknown_variable_write``).
         self.unnamed: Dict[int, Tuple[Any, str]] = {}
+
+    def current_versions(self) -> Dict[str, Any]:
+        """``current``, and the versions tapes entered again go on from, which
+        become current at their variables' first read (``go_on_from``)."""
+        found = dict(self.current)
+        for handle, var, _, _ in self.resumed.values():
+            found.setdefault(var._unique_id, handle)
+        return found
 
     def current_version(self, var: Any) -> Any:
         handle = self.current.get(var._unique_id)
@@ -373,22 +382,28 @@ def resume_holder(
     new version with no gradient path (their own handle may be a version it
     started from).
 
-    Entered again where a tape of ours is open (one opened since), it goes on
-    from them too, and that tape from its own: see ``_resume_inside``
-    (``resuming``: the holder's record, which pauses it; an accumulator has
-    none, and goes on from that tape's versions).
+    A plain tape (``resuming``: its record, which pauses it) goes on from
+    them at each variable's first read, as a tape of ours entered again does
+    (``_resume_inside``), also where a tape of ours opened since is open (which
+    goes on from its own). An accumulator, which cannot be paused, goes on
+    from them at once, where no tape of ours is open (and from that tape's
+    versions where one is).
     """
     key = current_key()
-    inside = _scopes().get(key)
-    if inside is not None:
-        if resuming is not None:
-            _resume_inside(inside, held, written, resuming)
-        return
-    if not (held or written):
-        return
-    scope = _scopes()[key] = Scope(key)
-    _list(scope)
-    scope.holders = [holder]
+    scope = _scopes().get(key)
+    if scope is None and (held or written):
+        scope = _scopes()[key] = Scope(key)
+        _list(scope)
+        scope.holders = [holder]
+        if resuming is None:
+            _resume_now(scope, held, written)
+            return
+    if scope is not None and resuming is not None:
+        _resume_inside(scope, held, written, resuming)
+
+
+def _resume_now(scope: Scope, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any]) -> None:
+    """``resume_holder`` for an accumulator, in the scope just made for it."""
     written = dict(written)
     for handle, var in held.values():
         own = canonical_handle(var)
@@ -404,8 +419,8 @@ def resume_holder(
 
 
 def _resume_inside(scope: Scope, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], resuming: Record) -> None:
-    """``resume_holder`` where ``scope`` is open: each variable no tape of
-    ``scope`` wrote goes on from the holder's version (``go_on_from``), or,
+    """``resume_holder`` for a plain tape: each variable no tape of ``scope``
+    wrote goes on from the holder's version (``go_on_from``), or,
     written while the holder was closed, from a new version it has no path
     through, made at its first read (``cut_on_first_read``). A variable a
     tape of ``scope`` wrote goes on from that tape's version, made by a write
@@ -414,7 +429,7 @@ def _resume_inside(scope: Scope, held: Dict[str, Tuple[Any, Any]], written: Dict
     for handle, var in held.values():
         own = canonical_handle(var)
         if id(own) not in written and var._unique_id not in scope.current:
-            resumed.append((var, own, handle))
+            resumed.append((var, own, handle, False))
     go_on_from(scope, resumed, resuming)
     for own in written.values():
         var = variable_of_handle(own)
@@ -423,18 +438,31 @@ def _resume_inside(scope: Scope, held: Dict[str, Tuple[Any, Any]], written: Dict
             scope.seen.add(var._unique_id)
 
 
-def go_on_from(scope: Scope, resumed: Sequence[Tuple[Any, Any, Any]], resuming: Record) -> None:
-    """Each ``(variable, its own handle, version)`` of ``resumed``: the tape of
-    ``resuming``, entered again, goes on from that version. The tapes opened
+def go_on_from(scope: Scope, resumed: Sequence[Tuple[Any, Any, Any, bool]], resuming: Record) -> None:
+    """Each ``(variable, its own handle, version, made)`` of ``resumed``: the
+    tape of ``resuming``, entered again, goes on from that version (``made``:
+    one it made for a write it did not see while closed). The tapes opened
     since it was closed know the variable by its own handle (none open then
     and still is: the scope would have kept its versions), so at its first
     read here the version becomes current, recorded as an identity of that
     handle on every recorder but those that know it and those that did not
-    see it made (``cut_on_first_read``). Noted as seen now: another thread
-    must not write it behind the tape."""
-    for var, own, handle in resumed:
-        scope.dirty.setdefault(id(own), (own, []))
-        scope.resumed[id(own)] = (handle, resuming)
+    see it made (``cut_on_first_read``). Another tape entered again before
+    may go on from another version of the variable: one some tape knows is
+    kept, and for the others it is a write they did not see. Noted as seen
+    now: another thread must not write the variable behind the tape."""
+    for var, own, handle, made in resumed:
+        closed_at_write = scope.dirty.setdefault(id(own), (own, []))[1]
+        entry = scope.resumed.get(id(own))
+        if entry is None or (entry[2] and not made):
+            if entry is not None:
+                closed_at_write.extend(entry[3])  # the made one yields
+            scope.resumed[id(own)] = (handle, var, made, [resuming])
+            scope.owners[id(handle)] = var
+            scope.pinned.append(handle)
+        elif entry[0] is handle:
+            entry[3].append(resuming)
+        else:
+            closed_at_write.append(resuming)
         scope.seen.add(var._unique_id)
 
 
@@ -741,16 +769,15 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
     path for the tapes that were closed at the write, and an identity for the
     tapes opened since (for them the write came before they started)."""
     closed_at_write = scope.dirty.pop(id(own))[1]
-    # Or the version a tape entered again goes on from (``go_on_from``).
-    new, resuming = scope.resumed.pop(id(own), (None, None))
-    if new is None:
-        new = new_version(own, None)
+    # Or the version tapes entered again go on from (``go_on_from``).
+    entry = scope.resumed.pop(id(own), None)
+    new, knowing = (new_version(own, None), []) if entry is None else (entry[0], entry[3])
     # Record the identity on every recording tape except those that were
-    # closed (those of ours here, or plain ones entered again) and the one
-    # that knows the version.
+    # closed (those of ours here, or plain ones entered again) and those that
+    # know the version.
     paused: List[Any] = []
-    for r in [*closed_at_write, resuming]:
-        if r is not None and r.recording() and all(r is not p for p in paused):
+    for r in [*closed_at_write, *knowing]:
+        if r.recording() and all(r is not p for p in paused):
             paused.append(r)
     for r in paused:
         r.pause()
@@ -763,7 +790,7 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
             r.resume()
     scope.adopt(var, new)
     for r in scope.records:
-        if r is not resuming:
+        if all(r is not k for k in knowing):
             r.note_write(var, own, new, CLOSED_WRITE if r in closed_at_write else WriteRecord("Identity"))
     return new
 

@@ -674,6 +674,97 @@ def test_an_aware_tape_a_plain_tape_is_entered_again_inside_watches_what_it_read
     assert watched(AssignAwareTape) == watched(tf.GradientTape) == (["u:0"], [3.0])
 
 
+def _two_tapes_entered_again_nested(outer: str, inner: str, written_after: bool, x: Any, v: Any) -> Any:
+    """T1 writes v = v x and, with T2 open inside it, T2 writes v = v + x
+    (``inner``: T2 an AssignAwareTape or a plain tape); with ``written_after``,
+    T1 writes v = v v after T2 closed. Both are then entered again, ``outer``
+    around the other, and read y = v x. Returns dy/dx and dy/dv of each (v:
+    its version at the tape's first entry). ``v``: the variable, or for the
+    rewrite a tensor, with plain tapes."""
+    rewrite = not isinstance(v, tf.Variable)
+    cell = {"v": v}
+
+    def write(value: Any) -> None:
+        if rewrite:
+            cell["v"] = value
+        else:
+            v.assign(value)
+
+    kind1 = tf.GradientTape if rewrite else AssignAwareTape
+    kind2 = tf.GradientTape if rewrite or inner == "plain" else AssignAwareTape
+    t1, t2 = kind1(persistent=True), kind2(persistent=True)
+    with t1:
+        t1.watch(x)
+        if rewrite:
+            t1.watch(v)
+        v0 = cell["v"]
+        write(cell["v"] * x)
+        with t2:
+            t2.watch(x)
+            if rewrite:
+                t2.watch(cell["v"])
+            v1 = cell["v"]
+            write(cell["v"] + x)
+        if written_after:
+            write(cell["v"] * cell["v"])
+    first, second = (t1, t2) if outer == "T1" else (t2, t1)
+    with first:
+        with second:
+            y = cell["v"] * x
+    sources = {t1: v0 if rewrite else v, t2: v1 if rewrite else v}
+    return [np.nan if g is None else g for t in (t1, t2) for g in t.gradient(y, [x, sources[t]])]
+
+
+@modes
+@pytest.mark.parametrize("outer", ["T1", "T2"])
+@pytest.mark.parametrize("inner", ["aware", "plain"])
+@pytest.mark.parametrize("written_after", [False, True])
+def test_two_tapes_entered_again_nested_each_go_on_from_their_versions(mode, outer, inner, written_after):
+    """Found by an adversarial review: the second tape entered again took the
+    first one's place as the version's owner, and the first was credited
+    through an identity of the variable's own handle (dy/dv None, dy/dx
+    short)."""
+    f64 = tf.float64
+    v = tf.Variable(2.0, dtype=f64)
+
+    def program():
+        v.assign(2.0)
+        return _two_tapes_entered_again_nested(outer, inner, written_after, tf.constant(3.0, f64), v)
+
+    got = [float(g) for g in run(mode, program)]
+    expected = [float(g) for g in _two_tapes_entered_again_nested(outer, inner, written_after, tf.constant(3.0, f64), tf.constant(2.0, f64))]
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+@modes
+@pytest.mark.parametrize("tape", ["persistent aware", "plain inside a new aware tape"])
+def test_a_tape_entered_again_and_reset_before_any_read_starts_from_its_versions(mode, tape):
+    """reset() before the first read after the re-entry: the versions it goes
+    on from are current from there (found by an adversarial review: dy/dv was
+    None, as if v's own handle were its source)."""
+    f64 = tf.float64
+    v = tf.Variable(2.0, dtype=f64)
+
+    def program():
+        v.assign(2.0)
+        x = tf.constant(3.0, f64)
+        again = AssignAwareTape(persistent=True) if tape == "persistent aware" else tf.GradientTape(persistent=True)
+        with AssignAwareTape() if tape != "persistent aware" else contextlib.nullcontext():
+            with again:
+                again.watch(x)
+                v.assign(v * x)  # 6
+        with AssignAwareTape() if tape != "persistent aware" else contextlib.nullcontext():
+            with again:
+                again.reset()
+                again.watch(x)
+                y = v * v * x
+        return again.gradient(y, [x, v])
+
+    # The rewrite: after the reset the tape starts from v = 6 (watched) and
+    # x: y = 36 x: dy/dx = 36, dy/dv = 2 v x = 36.
+    np.testing.assert_allclose([float(g) for g in run(mode, program)], [36.0, 36.0], rtol=1e-12)
+
+
 def test_a_plain_tape_outside_a_function_is_not_held_by_a_tape_inside_it():
     """Versions made in a tf.function's graph end with it: a plain tape open
     eagerly around the call sees the function as a whole (plain TensorFlow)."""
