@@ -66,13 +66,14 @@ def _is_plain(instance: Any) -> bool:
     return type(instance) is GRADIENT_TAPE or not getattr(instance, "_assigntape_aware", False)
 
 
-def _snapshot() -> Optional[Dict[str, Any]]:
-    """The versions current here, as a cond branch or loop body sees them."""
+def _snapshot(recorder: Any = None) -> Optional[Dict[str, Any]]:
+    """The versions current here, as a cond branch or loop body sees them
+    (and, for ``recorder``, those it goes on from, entered again)."""
     found = _versions.call_context()
     if found is None:
         return None
     scope, branch = found
-    snapshot = scope.current_versions()
+    snapshot = scope.current_versions(recorder)
     chain = []
     while branch is not None:
         chain.append(branch)
@@ -145,7 +146,7 @@ def entered(instance: Any) -> None:
     else:
         _opened(instance)
         if not hasattr(instance, _START):
-            snapshot = _snapshot()
+            snapshot = _snapshot(instance)
             if snapshot is not None:
                 setattr(instance, _START, snapshot)
                 lease(instance)
@@ -163,7 +164,7 @@ def exited(instance: Any) -> None:
     if _quiet():
         _forget_open(instance)
     else:
-        snapshot = _snapshot()
+        snapshot = _snapshot(instance)
         if snapshot is not None:
             setattr(instance, _END, snapshot)
             lease(instance)
@@ -175,7 +176,7 @@ def reset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) ->
     version at the reset from now on, as it would for a tape entered there."""
     result = wrapped(*args, **kwargs)
     if _is_plain(instance) and getattr(instance, "_recording", False):
-        snapshot = _snapshot()
+        snapshot = _snapshot(instance)
         if snapshot is not None:
             setattr(instance, _START, snapshot)
             lease(instance)
@@ -261,6 +262,7 @@ def _closed(instance: Any, ends: Optional[Dict[str, Any]] = None) -> None:
     tape of ours is about, the versions current now."""
     _forget_open(instance)
     held = _versions.held_by(instance)
+    unseen = _versions.unseen_writes(instance) if held or ends is not None else []
     _versions.release_holder(instance)
     if not held and ends is not None:
         # Exited inside a tape of ours: if entered again after that one closed,
@@ -274,6 +276,8 @@ def _closed(instance: Any, ends: Optional[Dict[str, Any]] = None) -> None:
         # goes on from the versions it held, so note the writes made meanwhile,
         # as for a closed AssignAwareTape (``_versions.note_write_while_closed``).
         record = Record(instance)
+        for own in unseen:
+            record.written_while_closed[id(own)] = own
         setattr(instance, _HELD, (_versions.current_key(), held, record))
         _versions.hold_closed(record)
         lease(instance)
@@ -353,14 +357,18 @@ def lease(instance: Any) -> None:
     _leases.plain.add(instance)
 
 
-def _map(x: Any, versions: Optional[Dict[str, Any]], open_now: bool) -> Any:
+def _map(x: Any, versions: Optional[Dict[str, Any]], open_now: bool, recorder: Any = None) -> Any:
     var = _versions.gradient_variable(x)
     if var is None:
         return x
     if open_now:
         found = _versions.call_context()
         if found is not None:
-            return _versions.version_in(found[0], found[1], var)
+            scope, branch = found
+            if branch is None and recorder is not None and var._unique_id not in scope.current:
+                # Entered again, not read since: what it goes on from.
+                return _versions.latest_unread(scope, var, recorder)
+            return _versions.version_in(scope, branch, var)
     handle = versions.get(var._unique_id) if versions else None
     return _versions.canonical_handle(var) if handle is None else handle
 
@@ -469,7 +477,7 @@ def _mapped_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwar
                 mapped[i] = array_ops.identity(mapped[i])  # a tensor nothing depends on
     arguments["sources"] = mapped
     if arguments.get("target") is not None:
-        arguments["target"] = nest.map_structure(lambda t: _map(t, end, open_now), arguments["target"])
+        arguments["target"] = nest.map_structure(lambda t: _map(t, end, open_now, instance), arguments["target"])
     zero = arguments.get("unconnected_gradients") in (UnconnectedGradients.ZERO, "zero")
     if zero:
         # TensorFlow cannot build zeros for a raw handle: build them here.
@@ -498,7 +506,7 @@ def jacobian(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any)
     var = _versions.resolve(target) if _is_plain(instance) else None
     if var is None:
         return wrapped(*args, **kwargs)
-    handle = _map(var, _end(instance), _still_open(instance))
+    handle = _map(var, _end(instance), _still_open(instance), instance)
     with instance._ensure_recording():
         value = gen_resource_variable_ops.read_variable_op(handle, var.dtype)
     if args:

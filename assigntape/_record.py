@@ -12,7 +12,7 @@ pause it for one op) goes through the record, which holds the tape weakly
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 __all__ = ["Record", "WriteRecord"]
 
@@ -64,6 +64,10 @@ class Record:
         self.writes: Dict[str, List[WriteRecord]] = {}
         self.escapes: List[str] = []
         self.written_while_closed: Dict[int, Any] = {}
+        # id(a variable's own handle), for the variables written while the
+        # tape was closed before its last entry and not read in it: at its
+        # last exit, their latest version was one it did not see made.
+        self.unseen_at_exit: Set[int] = set()
         self.suspects: Dict[int, Tuple[Any, int]] = {}
         # Whether some variable's first version here is not its own handle
         # (``versions_start_own``).

@@ -153,9 +153,11 @@ class AssignAwareTape(tf.GradientTape):
                 # for it when it is entered once more (the scope forgets its
                 # note of them when its last tape closes).
                 record = self._record
+                record.unseen_at_exit = set()
                 for own, closed_at_write in self._scope.dirty.values():
                     if record in closed_at_write:
                         record.written_while_closed[id(own)] = own
+                        record.unseen_at_exit.add(id(own))
                 holders = _plain_tapes.note_closing()
                 _versions.close_scope(self._scope, record, holders)
                 self._scope = None
@@ -179,7 +181,7 @@ class AssignAwareTape(tf.GradientTape):
         _versions.forget_closed_writes(self._record)
         self._entered = self._scope is not None
         scope = self._scope
-        self._record.restart({} if scope is None else scope.current_versions(), {} if scope is None else scope.owners)
+        self._record.restart({} if scope is None else scope.current_versions(self._record), {} if scope is None else scope.owners)
 
     def _snapshot_start(self, scope: _versions.Scope) -> None:
         """The versions current now (written by another tape) start this tape."""
@@ -282,10 +284,19 @@ class AssignAwareTape(tf.GradientTape):
     def _versions_of(self, var: Any) -> Tuple[Any, ...]:
         return self._record.versions_of(var, _versions.canonical_handle(var))
 
-    def _version(self, x: Any, index: int) -> Any:
-        """The version ``index`` of ``x`` if it is a variable, else ``x`` itself."""
+    def _latest(self, x: Any) -> Any:
+        """What a target ``x`` means: its latest version if it is a variable
+        (one this tape did not see made if the variable was written while it
+        was closed and not read since: no gradient path), else ``x`` itself."""
         var = _versions.gradient_variable(x)
-        return x if var is None else self._versions_of(var)[index]
+        if var is None:
+            return x
+        own = _versions.canonical_handle(var)
+        scope = self._scope
+        entry = None if scope is None else scope.dirty.get(id(own))
+        if entry is not None and self._record in entry[1] if scope is not None else id(own) in self._record.unseen_at_exit:
+            return _versions.new_version(own, None)
+        return self._versions_of(var)[-1]
 
 
     # -- gradients -------------------------------------------------------------
@@ -400,7 +411,7 @@ class AssignAwareTape(tf.GradientTape):
         if isinstance(target, tensor_lib.Tensor):  # the common case, without nest
             mapped_target = target
         else:
-            mapped_target = nest.map_structure(lambda t: self._version(t, -1), target)
+            mapped_target = nest.map_structure(self._latest, target)
         zero = unconnected_gradients in (UnconnectedGradients.ZERO, "zero")
 
         def finish(flat_grads: List[Any]) -> Any:
@@ -431,7 +442,7 @@ class AssignAwareTape(tf.GradientTape):
         if var is None:
             return target
         with self._ensure_recording():
-            return gen_resource_variable_ops.read_variable_op(self._versions_of(var)[-1], var.dtype)
+            return gen_resource_variable_ops.read_variable_op(self._latest(var), var.dtype)
 
     # -- diagnostics -----------------------------------------------------------
 

@@ -125,12 +125,24 @@ class Scope:
         # opened, through a handle no tape could name (``unknown_variable_write``).
         self.unnamed: Dict[int, Tuple[Any, str]] = {}
 
-    def current_versions(self) -> Dict[str, Any]:
-        """``current``, and the versions tapes entered again go on from, which
-        become current at their variables' first read (``go_on_from``)."""
+    def current_versions(self, recorder: Any = None) -> Dict[str, Any]:
+        """``current``, and the versions ``recorder`` (a tape, or a record)
+        entered again goes on from, which become current at their variables'
+        first read (``go_on_from``): until then, for the other tapes, the
+        variable's own handle is its version."""
         found = dict(self.current)
-        for handle, var, _, _ in self.resumed.values():
-            found.setdefault(var._unique_id, handle)
+        if recorder is None:
+            return found
+        for handle, var, _, knowing in self.resumed.values():
+            if any(r is recorder or r._tape() is recorder for r in knowing):
+                found.setdefault(var._unique_id, handle)
+        # Written while it was closed, not read since: a version it did not see made.
+        for own, closed in self.dirty.values():
+            var = variable_of_handle(own)
+            if var is not None and var._unique_id not in found and any(r is recorder or r._tape() is recorder for r in closed):
+                unseen = found[var._unique_id] = new_version(own, None)
+                self.owners[id(unseen)] = var
+                self.pinned.append(unseen)
         return found
 
     def current_version(self, var: Any) -> Any:
@@ -367,7 +379,17 @@ def held_by(holder: Any) -> Dict[str, Tuple[Any, Any]]:
     scope = _scopes().get(current_key())
     if scope is None or scope.records or not any(h is holder for h in scope.holders):
         return {}
-    return owned(scope.current)
+    return owned(scope.current_versions(holder))
+
+
+def unseen_writes(recorder: Any) -> List[Any]:
+    """The own handles of the variables written while ``recorder`` (a plain
+    tape entered again) was closed and not read since (``Scope.dirty``): a
+    write it did not see, also when it is entered once more."""
+    scope = _scopes().get(current_key())
+    if scope is None:
+        return []
+    return [own for own, closed in scope.dirty.values() if any(r._tape() is recorder for r in closed)]
 
 
 def resume_holder(
@@ -1106,6 +1128,21 @@ class Branch:
         handle = self.version_of_uid(var._unique_id)
         return self.scope.current_version(var) if handle is None else handle
 
+
+
+def latest_unread(scope: Scope, var: Any, recorder: Any) -> Any:
+    """A variable target's version for ``recorder``, a plain tape entered
+    again and open in ``scope``, where the variable has not been read since
+    (not current there): the version it goes on from, or, written while it was
+    closed, one it did not see made (no gradient path), else its own handle."""
+    own = canonical_handle(var)
+    entry = scope.resumed.get(id(own))
+    if entry is not None and any(r._tape() is recorder for r in entry[3]):
+        return entry[0]
+    dirty = scope.dirty.get(id(own))
+    if dirty is not None and any(r._tape() is recorder for r in dirty[1]):
+        return new_version(own, None)
+    return own
 
 
 def version_in(scope: Scope, branch: Optional[Branch], var: Any) -> Any:

@@ -765,6 +765,136 @@ def test_a_tape_entered_again_and_reset_before_any_read_starts_from_its_versions
     np.testing.assert_allclose([float(g) for g in run(mode, program)], [36.0, 36.0], rtol=1e-12)
 
 
+@modes
+@pytest.mark.parametrize("between", ["nothing", "a write"])
+@pytest.mark.parametrize("empty", ["alone", "inside a new aware tape"])
+def test_a_plain_tape_entered_again_and_exited_before_any_read_keeps_its_versions(mode, between, empty):
+    """P records v = v x inside an AssignAwareTape, is entered again and exited
+    with no read (alone, or inside a new AssignAwareTape), and entered again
+    to read v v (found by an adversarial review: alone, the empty entry lost
+    P's versions, which were to become current at their first read)."""
+    f64 = tf.float64
+    v = tf.Variable(2.0, dtype=f64)
+
+    def program():
+        v.assign(2.0)
+        x = tf.constant(3.0, f64)
+        plain = tf.GradientTape(persistent=True)
+        with AssignAwareTape():
+            with plain:
+                plain.watch(x)
+                v.assign(v * x)  # 6
+        if between == "a write":
+            v.assign(5.0)
+        with AssignAwareTape() if empty != "alone" else contextlib.nullcontext():
+            with plain:
+                pass
+        with plain:
+            y = v * v
+        return [np.nan if g is None else g for g in plain.gradient(y, [v, x])]
+
+    # The rewrite: v1 = v0 x, y = v1^2: dy/dv0 = 2 v1 x = 36, dy/dx = 2 v1 v0
+    # = 24; after a write P did not see, y = 25 has no path to v0 or x.
+    expected = [36.0, 24.0] if between == "nothing" else [np.nan, np.nan]
+    np.testing.assert_allclose([float(g) for g in run(mode, program)], expected, rtol=1e-12)
+
+
+@modes
+@pytest.mark.parametrize("when", ["written while closed, asked inside", "written while closed, asked after", "written after its exit"])
+def test_a_variable_target_of_a_tape_entered_again_before_any_read(mode, when):
+    """A persistent AssignAwareTape reads v (writes nothing); v is written
+    outside every tape; the tape is entered again and reads only x. Its
+    latest version of v is then one it did not see made (found by an
+    adversarial review: gradient(v, [v, x]) was [1, None], the variable's own
+    handle as target and source). Written after its last exit, v's latest
+    version while it was open is still the one it started from."""
+    f64 = tf.float64
+    x, v = tf.Variable(1.0, dtype=f64), tf.Variable(0.0, dtype=f64)
+
+    def program():
+        v.assign(0.0)
+        tape = AssignAwareTape(persistent=True)
+        with tape:
+            y = v * x
+        v.assign(5.0)
+        if when == "written after its exit":
+            return [np.nan if g is None else g for g in tape.gradient(v, [v, x])]
+        with tape:
+            y = x * 1.0
+            if when == "written while closed, asked inside":
+                got = tape.gradient(v, [v, x])
+        if when == "written while closed, asked after":
+            got = tape.gradient(v, [v, x])
+        return [np.nan if g is None else g for g in got]
+
+    # The rewrite: the tape's v is v0 (watched), then v1 = 5, a constant for
+    # it: its latest v is v1 (no path), or, written after its exit, v0 itself.
+    expected = [1.0, np.nan] if when == "written after its exit" else [np.nan, np.nan]
+    np.testing.assert_allclose([float(g) for g in run(mode, program)], expected, rtol=1e-12)
+
+
+@modes
+@pytest.mark.parametrize("between", ["nothing", "a write"])
+@pytest.mark.parametrize("asked", ["inside", "after"])
+@pytest.mark.parametrize("ask", ["gradient", "jacobian"])
+def test_a_variable_target_of_a_plain_tape_entered_again_before_any_read(mode, between, asked, ask):
+    """P records v = v x inside an AssignAwareTape; P is entered again alone
+    and asked about v before reading it (found by an adversarial review: the
+    variable's own handle was its target: [1, None])."""
+    f64 = tf.float64
+    v = tf.Variable(2.0, dtype=f64)
+
+    def program():
+        v.assign(2.0)
+        x = tf.constant(3.0, f64)
+        plain = tf.GradientTape(persistent=True)
+        with AssignAwareTape():
+            with plain:
+                plain.watch(x)
+                v.assign(v * x)  # 6
+        if between == "a write":
+            v.assign_add(0.5)
+        with plain:
+            if asked == "inside":
+                got = getattr(plain, ask)(v, [v, x])
+        if asked == "after":
+            got = getattr(plain, ask)(v, [v, x])
+        return [np.nan if g is None else g for g in got]
+
+    # The rewrite: P's latest v is v1 = v0 x: dv1/dv0 = x = 3, dv1/dx = v0 =
+    # 2; after a write P did not see, its latest v has no path.
+    expected = [3.0, 2.0] if between == "nothing" else [np.nan, np.nan]
+    np.testing.assert_allclose([float(g) for g in run(mode, program)], expected, rtol=1e-12)
+
+
+@modes
+def test_a_plain_tape_opened_since_around_an_aware_tape_entered_again_keeps_its_target(mode):
+    """T0 (persistent) wrote v and closed; a plain tape T1 opened after it
+    enters T0 again inside and reads nothing: T1's v is the variable's own
+    handle (found by an adversarial review: T0's version, which T1 never
+    saw made: None)."""
+    f64 = tf.float64
+    v = tf.Variable(2.0, dtype=f64)
+
+    def program():
+        v.assign(2.0)
+        x = tf.constant(3.0, f64)
+        t0 = AssignAwareTape(persistent=True)
+        with t0:
+            t0.watch(x)
+            v.assign_add(x)
+        t1 = tf.GradientTape(persistent=True)
+        with t1:
+            t1.watch(x)
+            with t0:
+                pass
+        return [np.nan if g is None else g for g in t1.gradient(v, [v, x])]
+
+    # The rewrite: T1's v is v1 (watched at its entry), its target the same:
+    # dv1/dv1 = 1; x reaches v1 before T1 opened: None.
+    np.testing.assert_allclose([float(g) for g in run(mode, program)], [1.0, np.nan], rtol=1e-12)
+
+
 def test_a_plain_tape_outside_a_function_is_not_held_by_a_tape_inside_it():
     """Versions made in a tf.function's graph end with it: a plain tape open
     eagerly around the call sees the function as a whole (plain TensorFlow)."""
