@@ -292,11 +292,12 @@ class AssignAwareTape(tf.GradientTape):
         if var is None:
             return x
         own = _versions.canonical_handle(var)
-        scope = self._scope
-        entry = None if scope is None else scope.dirty.get(id(own))
-        if entry is not None and self._record in entry[1] if scope is not None else id(own) in self._record.unseen_at_exit:
-            return _versions.new_version(own, None)
-        return self._versions_of(var)[-1]
+        if self._scope is None:  # closed: as at its last exit
+            unseen = id(own) in self._record.unseen_at_exit
+        else:
+            entry = self._scope.dirty.get(id(own))
+            unseen = entry is not None and self._record in entry[1]
+        return _versions.new_version(own, None) if unseen else self._versions_of(var)[-1]
 
 
     # -- gradients -------------------------------------------------------------

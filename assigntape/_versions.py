@@ -134,12 +134,12 @@ class Scope:
         if recorder is None:
             return found
         for handle, var, _, knowing in self.resumed.values():
-            if any(r is recorder or r._tape() is recorder for r in knowing):
+            if _among(knowing, recorder):
                 found.setdefault(var._unique_id, handle)
         # Written while it was closed, not read since: a version it did not see made.
         for own, closed in self.dirty.values():
             var = variable_of_handle(own)
-            if var is not None and var._unique_id not in found and any(r is recorder or r._tape() is recorder for r in closed):
+            if var is not None and var._unique_id not in found and _among(closed, recorder):
                 unseen = found[var._unique_id] = new_version(own, None)
                 self.owners[id(unseen)] = var
                 self.pinned.append(unseen)
@@ -382,6 +382,11 @@ def held_by(holder: Any) -> Dict[str, Tuple[Any, Any]]:
     return owned(scope.current_versions(holder))
 
 
+def _among(records: Sequence[Any], recorder: Any) -> bool:
+    """Whether ``recorder`` (a tape, or its record) is one of ``records``."""
+    return any(r is recorder or r._tape() is recorder for r in records)
+
+
 def unseen_writes(recorder: Any) -> List[Any]:
     """The own handles of the variables written while ``recorder`` (a plain
     tape entered again) was closed and not read since (``Scope.dirty``): a
@@ -389,27 +394,26 @@ def unseen_writes(recorder: Any) -> List[Any]:
     scope = _scopes().get(current_key())
     if scope is None:
         return []
-    return [own for own, closed in scope.dirty.values() if any(r._tape() is recorder for r in closed)]
+    return [own for own, closed in scope.dirty.values() if _among(closed, recorder)]
 
 
 def resume_holder(
     holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], resuming: Optional[Record] = None
 ) -> None:
     """A plain tape or forward accumulator that held versions (``held_by``),
-    or a plain tape that exited where a tape of ours was open (``owned``: the
-    versions current then), is entered again, in the same graph, with no tape
-    of ours open there: it goes on from them, except for the variables written
-    meanwhile (``written``, by id of their own handle): for it such a write is
-    one it did not record, as under ``stop_recording``, so they go on from a
-    new version with no gradient path (their own handle may be a version it
-    started from).
+    or that exited where a tape of ours was open (``owned``: the versions
+    current then), is entered again in the same graph: it goes on from them,
+    except for the variables written meanwhile (``written``, by id of their
+    own handle): for it such a write is one it did not record, as under
+    ``stop_recording``, so they go on from a new version with no gradient path
+    (their own handle may be a version it started from).
 
-    A plain tape (``resuming``: its record, which pauses it) goes on from
-    them at each variable's first read, as a tape of ours entered again does
-    (``_resume_inside``), also where a tape of ours opened since is open (which
-    goes on from its own). An accumulator, which cannot be paused, goes on
-    from them at once, where no tape of ours is open (and from that tape's
-    versions where one is).
+    A plain tape (``resuming``: its record, which pauses it) does so at each
+    variable's first read, as a tape of ours entered again does
+    (``_resume_inside``), also where a tape of ours opened since is open
+    (which goes on from its own). An accumulator, which cannot be paused, does
+    so at once where no tape of ours is open (``_resume_now``), and goes on
+    from that tape's versions where one is.
     """
     key = current_key()
     scope = _scopes().get(key)
@@ -761,13 +765,18 @@ def note_write_while_closed(handle: Any, var: Any = None) -> None:
     if not _closed_refs:
         return
     own = handle if var is None else canonical_handle(var)
-    # The weak set's own references, not its iterator: every write inside a
-    # tape comes here while a plain tape that exited inside it lives (the
-    # iterator's guard costs more than the rest).
+    for r in _closed_records():
+        r.written_while_closed[id(own)] = own
+
+
+def _closed_records() -> Iterator[Record]:
+    """``closed_tapes``, through the weak set's own references, not its
+    iterator: every write inside a tape asks while a plain tape that exited
+    inside it lives, and the iterator's guard costs more than the rest."""
     for ref in list(_closed_refs):
         r = ref()
         if r is not None:
-            r.written_while_closed[id(own)] = own
+            yield r
 
 
 def forget_closed_writes(tape_record: Record) -> None:
@@ -1137,10 +1146,10 @@ def latest_unread(scope: Scope, var: Any, recorder: Any) -> Any:
     closed, one it did not see made (no gradient path), else its own handle."""
     own = canonical_handle(var)
     entry = scope.resumed.get(id(own))
-    if entry is not None and any(r._tape() is recorder for r in entry[3]):
+    if entry is not None and _among(entry[3], recorder):
         return entry[0]
     dirty = scope.dirty.get(id(own))
-    if dirty is not None and any(r._tape() is recorder for r in dirty[1]):
+    if dirty is not None and _among(dirty[1], recorder):
         return new_version(own, None)
     return own
 
@@ -1292,10 +1301,8 @@ def constructed(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
         # Its initialization went through the write patches (which could not
         # name it yet) as a write: for a closed tape it is creation, not a
         # write made while it was closed (its first read would be cut).
-        for ref in list(_closed_refs) if _closed_refs else ():
-            r = ref()
-            if r is not None:
-                r.written_while_closed.pop(id(handle), None)
+        for r in _closed_records() if _closed_refs else ():
+            r.written_while_closed.pop(id(handle), None)
 
 
 def _no_handle(inst: Any) -> AttributeError:

@@ -765,6 +765,22 @@ def test_a_tape_entered_again_and_reset_before_any_read_starts_from_its_versions
     np.testing.assert_allclose([float(g) for g in run(mode, program)], [36.0, 36.0], rtol=1e-12)
 
 
+def _a_plain_tape_that_wrote_v_times_x(v: Any, between: str) -> Any:
+    """A persistent plain tape P that recorded v = v0 x (v0 = 2, x = 3, watched)
+    inside an AssignAwareTape, now closed; with ``between`` = "a write", v is
+    then written outside every tape (5). Returns P and x."""
+    x = tf.constant(3.0, tf.float64)
+    v.assign(2.0)
+    plain = tf.GradientTape(persistent=True)
+    with AssignAwareTape():
+        with plain:
+            plain.watch(x)
+            v.assign(v * x)  # 6
+    if between == "a write":
+        v.assign(5.0)
+    return plain, x
+
+
 @modes
 @pytest.mark.parametrize("between", ["nothing", "a write"])
 @pytest.mark.parametrize("empty", ["alone", "inside a new aware tape"])
@@ -777,15 +793,7 @@ def test_a_plain_tape_entered_again_and_exited_before_any_read_keeps_its_version
     v = tf.Variable(2.0, dtype=f64)
 
     def program():
-        v.assign(2.0)
-        x = tf.constant(3.0, f64)
-        plain = tf.GradientTape(persistent=True)
-        with AssignAwareTape():
-            with plain:
-                plain.watch(x)
-                v.assign(v * x)  # 6
-        if between == "a write":
-            v.assign(5.0)
+        plain, x = _a_plain_tape_that_wrote_v_times_x(v, between)
         with AssignAwareTape() if empty != "alone" else contextlib.nullcontext():
             with plain:
                 pass
@@ -815,12 +823,12 @@ def test_a_variable_target_of_a_tape_entered_again_before_any_read(mode, when):
         v.assign(0.0)
         tape = AssignAwareTape(persistent=True)
         with tape:
-            y = v * x
+            _ = v * x  # read, not written
         v.assign(5.0)
         if when == "written after its exit":
             return [np.nan if g is None else g for g in tape.gradient(v, [v, x])]
         with tape:
-            y = x * 1.0
+            _ = x * 1.0  # reads x only
             if when == "written while closed, asked inside":
                 got = tape.gradient(v, [v, x])
         if when == "written while closed, asked after":
@@ -845,15 +853,7 @@ def test_a_variable_target_of_a_plain_tape_entered_again_before_any_read(mode, b
     v = tf.Variable(2.0, dtype=f64)
 
     def program():
-        v.assign(2.0)
-        x = tf.constant(3.0, f64)
-        plain = tf.GradientTape(persistent=True)
-        with AssignAwareTape():
-            with plain:
-                plain.watch(x)
-                v.assign(v * x)  # 6
-        if between == "a write":
-            v.assign_add(0.5)
+        plain, x = _a_plain_tape_that_wrote_v_times_x(v, between)
         with plain:
             if asked == "inside":
                 got = getattr(plain, ask)(v, [v, x])
