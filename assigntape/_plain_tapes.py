@@ -176,6 +176,7 @@ def reset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) ->
     version at the reset from now on, as it would for a tape entered there."""
     result = wrapped(*args, **kwargs)
     if _is_plain(instance) and getattr(instance, "_recording", False):
+        _versions.forget_closed_writes(instance)
         snapshot = _snapshot(instance)
         if snapshot is not None:
             setattr(instance, _START, snapshot)

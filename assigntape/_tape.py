@@ -153,11 +153,10 @@ class AssignAwareTape(tf.GradientTape):
                 # for it when it is entered once more (the scope forgets its
                 # note of them when its last tape closes).
                 record = self._record
-                record.unseen_at_exit = set()
+                record.unseen_at_exit = set(_versions.unseen_writes(record, ids=True))
                 for own, closed_at_write in self._scope.dirty.values():
                     if record in closed_at_write:
                         record.written_while_closed[id(own)] = own
-                        record.unseen_at_exit.add(id(own))
                 holders = _plain_tapes.note_closing()
                 _versions.close_scope(self._scope, record, holders)
                 self._scope = None
@@ -296,7 +295,7 @@ class AssignAwareTape(tf.GradientTape):
             unseen = id(own) in self._record.unseen_at_exit
         else:
             entry = self._scope.dirty.get(id(own))
-            unseen = entry is not None and self._record in entry[1]
+            unseen = entry is not None and self._record in entry[1] and var._unique_id not in self._scope.current
         return _versions.new_version(own, None) if unseen else self._versions_of(var)[-1]
 
 

@@ -387,14 +387,21 @@ def _among(records: Sequence[Any], recorder: Any) -> bool:
     return any(r is recorder or r._tape() is recorder for r in records)
 
 
-def unseen_writes(recorder: Any) -> List[Any]:
-    """The own handles of the variables written while ``recorder`` (a plain
-    tape entered again) was closed and not read since (``Scope.dirty``): a
+def unseen_writes(recorder: Any, ids: bool = False) -> List[Any]:
+    """The own handles (``ids``: their ids) of the variables written while
+    ``recorder`` (a tape entered again, or its record) was closed and not read
+    since (``Scope.dirty``, for a variable not current here: a variable written
+    through a handle no read served may be current with its entry left): a
     write it did not see, also when it is entered once more."""
     scope = _scopes().get(current_key())
     if scope is None:
         return []
-    return [own for own, closed in scope.dirty.values() if _among(closed, recorder)]
+    found = []
+    for own, closed in scope.dirty.values():
+        var = variable_of_handle(own)
+        if _among(closed, recorder) and (var is None or var._unique_id not in scope.current):
+            found.append(id(own) if ids else own)
+    return found
 
 
 def resume_holder(
@@ -779,15 +786,15 @@ def _closed_records() -> Iterator[Record]:
             yield r
 
 
-def forget_closed_writes(tape_record: Record) -> None:
-    """``tape.reset()``: writes made while the tape was closed and not read yet
+def forget_closed_writes(recorder: Any) -> None:
+    """``tape.reset()`` (``recorder``: a tape of ours' record, or a plain tape
+    entered again): writes made while the tape was closed and not read yet
     (``Scope.dirty``) now come before the tape's start, so for it they are no
     longer writes with no gradient path: their first read is an identity for
     it, as for the tapes opened since."""
     for scope in _scopes().values():
         for _, closed_at_write in scope.dirty.values():
-            while tape_record in closed_at_write:
-                closed_at_write.remove(tape_record)
+            closed_at_write[:] = [r for r in closed_at_write if not _among((r,), recorder)]
 
 
 # What made a version written while a tape was closed, as that tape sees it.

@@ -895,6 +895,59 @@ def test_a_plain_tape_opened_since_around_an_aware_tape_entered_again_keeps_its_
     np.testing.assert_allclose([float(g) for g in run(mode, program)], [1.0, np.nan], rtol=1e-12)
 
 
+@modes
+def test_a_variable_target_of_a_tape_entered_again_where_a_plain_tape_kept_the_versions(mode):
+    """A plain tape P open around everything keeps the scope; a persistent
+    AssignAwareTape T writes a, exits; a is written (P holding); T is entered
+    again, reads a and writes a = 2 b x. T's latest a is its own write
+    (found by a generated program: the note that a was written while T was
+    closed outlived the read, and a's target was taken for unseen: None)."""
+    f64 = tf.float64
+    a, b = tf.Variable(0.8, dtype=f64), tf.Variable(-0.6, dtype=f64)
+
+    def program():
+        a.assign(0.8)
+        x = tf.constant(3.0, f64)
+        tape = AssignAwareTape(persistent=True)
+        with tf.GradientTape(persistent=True):
+            with tape:
+                tape.watch(x)
+                a.assign(0.7)
+            a.assign(a * x)
+            with tape:
+                _ = a * a
+                a.assign(2.0 * b * x)
+        return tape.gradient(a, x)
+
+    # The rewrite: T's latest a is 2 b x: da/dx = 2 b = -1.2.
+    np.testing.assert_allclose(float(run(mode, program)), -1.2, rtol=1e-12)
+
+
+@modes
+def test_a_plain_tape_entered_again_and_reset_after_a_write_it_did_not_see(mode):
+    """P (persistent) held versions, exited; b is written outside every tape;
+    P is entered again alone, reset, and exits: b's value is its source and
+    its target alike (found by a generated program: the unseen write outlived
+    the reset, and gave the source and the target two new versions)."""
+    f64 = tf.float64
+    b = tf.Variable(-0.6, dtype=f64)
+
+    def program():
+        b.assign(-0.6)
+        plain = tf.GradientTape(persistent=True)
+        with plain:
+            with AssignAwareTape():
+                b.assign(b * 2.0)
+        b.assign(b - 0.9)
+        with plain:
+            plain.reset()
+        return plain.gradient(b, b)
+
+    # The rewrite: after the reset P starts from b's value then; b is not
+    # written after: db/db = 1.
+    np.testing.assert_allclose(float(run(mode, program)), 1.0, rtol=1e-12)
+
+
 def test_a_plain_tape_outside_a_function_is_not_held_by_a_tape_inside_it():
     """Versions made in a tf.function's graph end with it: a plain tape open
     eagerly around the call sees the function as a whole (plain TensorFlow)."""
