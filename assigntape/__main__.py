@@ -11,6 +11,13 @@ from assigntape.examples import maml_sine, seed_cases
 
 QUICK_ITERATIONS = 3000
 
+# The demo's last line: what it showed, and where a user reads on.
+CLOSING = (
+    "Shown: gradients that flow through variable writes, where tf.GradientTape gives None, "
+    "and MAML through the writes of an unmodified Keras model's optimizer. "
+    "Read next: docs/getting-started.md (the documentation site: mkdocs serve)."
+)
+
 
 def main(argv: list) -> None:
     seed_cases.main()
@@ -25,8 +32,6 @@ def main(argv: list) -> None:
         "python -m assigntape.examples.maml_sine --help for options):"
     )
     maml_sine.main(argv)
-    if not full:
-        print("(The targets are for the full run, 15,000 meta-steps: python -m assigntape --full.)")
     print()
     print("More examples:")
     for name, what in [
@@ -36,6 +41,8 @@ def main(argv: list) -> None:
         ("seed_cases", "the reference cases above"),
     ]:
         print(f"  python -m assigntape.examples.{name:<18} {what}")
+    print()
+    print(CLOSING)
 
 
 main(sys.argv[1:])

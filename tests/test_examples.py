@@ -121,6 +121,26 @@ def test_maml_sine_small_run(tmp_path):
     assert "MAML after 1 step" in text and "Meta-SGD after 1 step" in text
 
 
+def test_maml_report_says_diverged_and_no_target():
+    """A run that blew up is reported in words (Meta-SGD's step sizes repeated ten
+    times overshoot: the full run's 10-step column is NaN), and the report states
+    results, not the project's goals."""
+    curve = {"MAML": [2.9, 0.4, 0.25], "Meta-SGD": [2.9, 0.24, float("nan")], "pretrained": [2.9, 1.867, float("inf")]}
+    results = {
+        "config": {"eval_steps": 2, "eval_tasks": 600, "shots": 10, "inner_lr": 0.01,
+                   "iterations": 15000, "compiled": True},
+        "methods": {name: {"curve": c} for name, c in curve.items()},
+        "seconds": 1.0,
+    }
+    text = maml_sine.report(results)
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()[3:6]}
+    assert rows["Meta-SGD"] == ["2.900", "0.240", "diverged"]
+    assert rows["pretrained"] == ["2.900", "1.867", "diverged"]
+    assert "nan" not in text.lower().split() and "inf" not in text.lower().split()
+    assert "target" not in text.lower()
+    assert "MAML after 1 step: 0.400, 4.7x below the pretrained baseline (1.867)" in text
+
+
 # -- hypergradient_lr ----------------------------------------------------------------
 
 

@@ -4,10 +4,11 @@ plots, when matplotlib is there."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Any, Callable, Dict, List, Optional
 
-__all__ = ["parser", "footer", "run_and_print", "pyplot", "save"]
+__all__ = ["parser", "number", "footer", "run_and_print", "pyplot", "save"]
 
 
 def parser(name: str, doc: Optional[str], plot: Optional[str], eager_help: str) -> argparse.ArgumentParser:
@@ -18,6 +19,14 @@ def parser(name: str, doc: Optional[str], plot: Optional[str], eager_help: str) 
     p.add_argument("--plot", default=plot, help="PNG path, or '' for none")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
+
+
+def number(value: float, spec: str, width: int = 0) -> str:
+    """``value`` formatted by ``spec``, or ``diverged`` where it is not finite:
+    a NaN or an infinity in a results table means the run blew up, and a reader
+    should be told so in words."""
+    text = format(value, spec) if math.isfinite(value) else "diverged"
+    return f"{text:>{width}}"
 
 
 def footer(results: Dict[str, Any]) -> List[str]:

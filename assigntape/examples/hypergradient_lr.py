@@ -343,7 +343,7 @@ def report(results: Dict[str, Any]) -> str:
         "-" * len(header),
     ]
     for label, r in results["runs"].items():
-        lines.append(f"{label:<40}{np.mean(r['loss'][-tail:]):>12.4f}{r['lr'][-1]:>12.4f}")
+        lines.append(f"{label:<40}{_report.number(float(np.mean(r['loss'][-tail:])), '.4f', 12)}{_report.number(r['lr'][-1], '.4f', 12)}")
     lines.append(f"{config['rule']} rule, beta = {config['beta']}, {config['hypergradient']}-mode hypergradient")
     return "\n".join(lines + _report.footer(results))
 

@@ -341,7 +341,7 @@ def _plot(results: Dict[str, Any], held_out: Tuple[np.ndarray, ...], config: Con
 
 
 def report(results: Dict[str, Any]) -> str:
-    """The results table, and the targets of the issue checked against it."""
+    """The results table, and what it shows."""
     config = results["config"]
     steps = config["eval_steps"]
     shown = [0, 1, steps]
@@ -353,14 +353,15 @@ def report(results: Dict[str, Any]) -> str:
         "-" * len(header),
     ]
     for name, method in results["methods"].items():
-        lines.append(f"{name:<26}" + "".join(f"{method['curve'][s]:>12.3f}" for s in shown))
+        lines.append(f"{name:<26}" + "".join(_report.number(method["curve"][s], ".3f", 12) for s in shown))
     maml, meta_sgd, base = (results["methods"][k]["curve"][1] for k in ("MAML", "Meta-SGD", "pretrained"))
     lines += [
         "",
-        f"MAML after 1 step: {maml:.3f} (target <= 0.6), "
-        f"{base / maml:.1f}x below the pretrained baseline (target >= 3x)",
-        f"Meta-SGD after 1 step: {meta_sgd:.3f} (target: at or below MAML's {maml:.3f}); its "
-        "step sizes are learned for one step, and repeated they may diverge",
+        f"MAML after 1 step: {_report.number(maml, '.3f')}, "
+        f"{_report.number(base / maml, '.1f')}x below the pretrained baseline "
+        f"({_report.number(base, '.3f')})",
+        f"Meta-SGD after 1 step: {_report.number(meta_sgd, '.3f')}; its step sizes are learned "
+        "for one step, and repeated they may diverge",
         f"{config['iterations']} meta-steps each, {'compiled' if config['compiled'] else 'eager'}",
     ]
     return "\n".join(lines + _report.footer(results))

@@ -193,9 +193,9 @@ def report(results: Dict[str, Any]) -> str:
     for name, stream in results["streams"].items():
         learned = stream["learned"]
         best = min(stream["fixed"], key=stream["fixed"].get)
-        fixed = ", ".join(f"{t:g}: {v:.3f}" for t, v in stream["fixed"].items())
+        fixed = ", ".join(f"{t:g}: {_report.number(v, '.3f')}" for t, v in stream["fixed"].items())
         lines.append(
-            f"  {name:<11} learned tau {learned['tau'][-1]:.3f} -> {learned['final_target_loss']:.3f}"
+            f"  {name:<11} learned tau {learned['tau'][-1]:.3f} -> {_report.number(learned['final_target_loss'], '.3f')}"
             f"   fixed tau {fixed}   (best fixed: {best:g})"
         )
     return "\n".join(lines + _report.footer(results))
