@@ -1,7 +1,7 @@
 """``python -m assigntape``: the reference cases, then the headline example.
 
 The headline example is MAML and Meta-SGD on sine tasks, in a quick run of 3,000
-meta-steps (``--full`` for the README's 15,000). The other examples are listed
+meta-steps (``--full`` for the 15,000 of docs/use-cases/meta-learning.md). The other examples are listed
 at the end, with the command that runs each.
 """
 

@@ -126,3 +126,16 @@ def test_version_is_set_in_one_place():
     assert "## [Unreleased]" in changelog and "Keep a Changelog" in changelog
     for page in [*PAGES, ROOT / "CHANGELOG.md"]:
         assert assigntape.__version__ not in page.read_text(), f"{page} repeats the version"
+
+
+def test_api_reference_lists_every_public_name():
+    """The API reference is generated from the docstrings of every public name:
+    each name in ``assigntape.__all__`` and ``assigntape.testing.__all__`` has
+    its mkdocstrings entry, so a new public name cannot be left out."""
+    import assigntape
+    import assigntape.testing
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    for module in (assigntape, assigntape.testing):
+        for name in module.__all__:
+            assert f"::: {module.__name__}.{name}\n" in api, f"docs/api.md lacks {module.__name__}.{name}"

@@ -65,7 +65,7 @@ __all__ = ["Config", "HypergradientTrainer", "hypergradient_step", "run", "run_d
 class Config:
     steps: int = 1000
     batch: int = 128
-    good_lr: float = 1.0  # about the best fixed rate for this problem (see the README)
+    good_lr: float = 1.0  # about the best fixed rate for this problem (see docs/use-cases/hypergradients.md)
     beta: float = 0.05  # the hypergradient step size
     rule: str = "multiplicative"  # or "additive"
     hypergradient: str = "reverse"  # or "forward" (ForwardAccumulator)

@@ -48,7 +48,7 @@ __all__ = ["Config", "SineTasks", "build_model", "meta_gradients", "run", "main"
 
 @dataclasses.dataclass
 class Config:
-    """One run. The defaults are the full run whose figures the README shows."""
+    """One run. The defaults are the full run whose figures docs/use-cases/meta-learning.md shows."""
 
     iterations: int = 15000  # meta-steps for MAML and for Meta-SGD
     baseline_iterations: int = 15000  # steps of the pretrained baseline
