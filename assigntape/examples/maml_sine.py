@@ -357,9 +357,8 @@ def report(results: Dict[str, Any]) -> str:
     maml, meta_sgd, base = (results["methods"][k]["curve"][1] for k in ("MAML", "Meta-SGD", "pretrained"))
     lines += [
         "",
-        f"MAML after 1 step: {_report.number(maml, '.3f')}, "
-        f"{_report.number(base / maml, '.1f')}x below the pretrained baseline "
-        f"({_report.number(base, '.3f')})",
+        f"MAML after 1 step: {_report.number(maml, '.3f')}; the pretrained baseline after 1 step: "
+        f"{_report.number(base, '.3f')} ({_report.number(base / maml, '.1f')}x MAML's)",
         f"Meta-SGD after 1 step: {_report.number(meta_sgd, '.3f')}; its step sizes are learned "
         "for one step, and repeated they may diverge",
         f"{config['iterations']} meta-steps each, {'compiled' if config['compiled'] else 'eager'}",
