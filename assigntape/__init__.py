@@ -1,6 +1,12 @@
 """assigntape: a ``tf.GradientTape`` through which gradients flow across variable writes.
 
-See ``AssignAwareTape``.
+``AssignAwareTape`` takes the place of ``tf.GradientTape`` and
+``ForwardAccumulator`` that of ``tf.autodiff.ForwardAccumulator``. Inside them
+every write to a floating-point variable makes a new version, and gradients
+follow the versions: the answer is that of the same program with each write
+rebinding a tensor. A write they cannot follow raises an ``AssignTapeError``
+before anything is written. ``assigntape.testing`` checks code that
+differentiates through writes.
 """
 
 from assigntape import _autograph, _patches
