@@ -6,13 +6,14 @@ at the end, with the command that runs each.
 """
 
 import sys
+from typing import List
 
 from assigntape.examples import maml_sine, seed_cases
 
 QUICK_ITERATIONS = 3000
 
 
-def main(argv: list) -> None:
+def main(argv: List[str]) -> None:
     seed_cases.main()
     full = "--full" in argv
     argv = [a for a in argv if a != "--full"]
