@@ -6,6 +6,7 @@ at the end, with the command that runs each.
 """
 
 import sys
+from typing import List
 
 from assigntape.examples import maml_sine, seed_cases
 
@@ -19,7 +20,7 @@ CLOSING = (
 )
 
 
-def main(argv: list) -> None:
+def main(argv: List[str]) -> None:
     seed_cases.main()
     full = "--full" in argv
     argv = [a for a in argv if a != "--full"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import tensorflow as tf
 
@@ -271,7 +271,7 @@ def cross_replica_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, 
 def _inside_all_reduce() -> bool:
     """Whether this reduction is ``ReplicaContext.all_reduce``'s own (its
     ``merge_call`` function is on the stack)."""
-    frame = sys._getframe(2)
+    frame: Optional[types.FrameType] = sys._getframe(2)
     for _ in range(8):
         if frame is None:
             return False

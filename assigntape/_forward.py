@@ -108,7 +108,7 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
         record the identity and keep the tangent."""
         writes = self._writes
         scope = None if writes is None else writes._scope
-        if scope is None or not scope.dirty:
+        if writes is None or scope is None or not scope.dirty:
             return
         record = writes._record
         pending = [own for own, closed_at_write in list(scope.dirty.values()) if record in closed_at_write]

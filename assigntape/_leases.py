@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, Set
 
-__all__ = ["lock", "take", "give", "count", "closed", "plain"]
+__all__ = ["lock", "take", "give", "count", "closed", "closed_refs", "plain"]
 
 # Reentrant: ``_patches`` installs and takes its lease under it in one step.
 lock = threading.RLock()
@@ -24,6 +24,10 @@ _count = 0
 # gradients; a record lives as long as its tape. While any is here the
 # patches stay active, to note the writes made meanwhile (``_versions``).
 closed: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# The WeakSet's own set of references, for the hot paths: its truth is C code,
+# the WeakSet's len() is Python. A dead reference not yet removed only sends a
+# call down the general path. (``data`` is WeakSet's attribute, not typed.)
+closed_refs: Set[Any] = closed.data  # type: ignore[attr-defined]
 # Plain tapes (and forward accumulators) that ran beside a tape of ours and
 # keep versions, until they are garbage (``_plain_tapes.lease``).
 plain: "weakref.WeakSet[Any]" = weakref.WeakSet()

@@ -70,6 +70,7 @@ _GEN_MODULES = (gen_resource_variable_ops, gen_state_ops, gen_array_ops, gen_tra
 def _snake(op_name: str, module: Any) -> str:
     """The op wrapper's Python name: ``AssignVariableOp`` -> ``assign_variable_op``."""
     key = op_name.lower()
+    name: str
     for name in vars(module):
         if name.replace("_", "") == key and not name.endswith("_eager_fallback"):
             return name
@@ -277,9 +278,7 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function``, but the original straight away while no tape is open in
     any thread and none is closed but alive: the patches stay installed between
     tapes, and code outside every tape must run as plain TensorFlow."""
-    # The WeakSet's own set of references: its len() is Python code. A dead
-    # reference not yet removed only sends a call down the general path.
-    scopes, closed = _versions._all_scopes, _versions.closed_tapes.data
+    scopes, closed = _versions._all_scopes, _leases.closed_refs
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         if not scopes and not closed:

@@ -94,7 +94,7 @@ def _quiet() -> bool:
 
 
 _all_scopes = _versions._all_scopes
-_closed_records = _versions.closed_tapes.data
+_closed_records = _leases.closed_refs
 
 
 def enter_method(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -377,7 +377,7 @@ def _map(x: Any, versions: Optional[Dict[str, Any]], open_now: bool, recorder: A
 def _end(instance: Any) -> Optional[Dict[str, Any]]:
     """The versions a variable target means, once no tape of ours is open."""
     notes = instance.__dict__  # (where setattr put them: no caught AttributeError when missing)
-    end = notes.get(_END)
+    end: Optional[Dict[str, Any]] = notes.get(_END)
     return notes.get(_LATEST) if end is None else end
 
 
@@ -392,13 +392,15 @@ def tensorflows_gradient(cls: type, after: type) -> Callable[..., Any]:
     30 frames), about 35 ns a frame an op.
     """
     mro = cls.__mro__
+    method: Any = None
     for klass in mro[mro.index(after) + 1 :]:
         method = vars(klass).get("gradient")
         if method is not None:
             break
     if getattr(method, "_self_wrapper", None) is gradient:  # (wrapt's name for the wrapper function)
-        return method.__wrapped__
-    return method
+        method = method.__wrapped__
+    found: Callable[..., Any] = method
+    return found
 
 
 def ours(instance: Any, args: Any, kwargs: Any) -> bool:

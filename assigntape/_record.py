@@ -90,11 +90,16 @@ class Record:
         return tape._tape if tape is not None and tape._recording else None
 
     def pause(self) -> None:
-        """Stops recording on this tape only (``resume`` undoes it)."""
-        self._tape()._pop_tape()
+        """Stops recording on this tape only (``resume`` undoes it); nothing
+        for a tape that is gone."""
+        tape = self._tape()
+        if tape is not None:
+            tape._pop_tape()
 
     def resume(self) -> None:
-        self._tape()._push_tape()
+        tape = self._tape()
+        if tape is not None:
+            tape._push_tape()
 
     # -- versions -----------------------------------------------------------------
 

@@ -120,6 +120,7 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         return _lazy_read(self, shape)
 
     # TensorFlow's signatures: ``assign(value, ...)``, ``assign_add(delta, ...)``.
+    short_path: Callable[..., Any]
     if assigns:
         def short_path(self: Any, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
             return write(self, value, use_locking, name, read_value)

@@ -199,8 +199,10 @@ def executing_eagerly() -> bool:
     """
     ctx = context._context
     if ctx is None:
-        return context.executing_eagerly()
-    return ctx._thread_local_data.is_eager
+        eager: bool = context.executing_eagerly()
+    else:
+        eager = ctx._thread_local_data.is_eager
+    return eager
 
 __all__ = [
     "SUPPORTED", "PRIVATE", "ALL_REDUCE_MERGE_FN", "V1_OPTIMIZER_FINISH", "V1_OPTIMIZER_UPDATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph", "ShardedVariable",
@@ -208,7 +210,7 @@ __all__ = [
     "UnconnectedGradients", "array_ops", "attr_value_pb2", "auto_control_deps", "backprop", "check_ops", "composite_tensor",
     "cond_v2", "config", "config_lib", "context", "control_flow_util", "default_gradient", "distribute_lib", "distribute_utils", "distribute_values",
     "dtypes", "eager_tape", "executing_eagerly", "forwardprop", "gen_array_ops", "gen_resource_variable_ops", "gen_state_ops",
-    "gen_training_ops", "handle_data_util", "indexed_slices", "math_ops", "nest", "ops", "profiler_trace", "pywrap_tfe",
+    "gen_training_ops", "gradients_util", "handle_data_util", "indexed_slices", "math_ops", "nest", "ops", "profiler_trace", "pywrap_tfe",
     "record", "resource_variable_ops", "standard_ops", "state_ops", "tensor_array_ops", "tensor_conversion_registry", "tensor_lib",
     "tensor_util", "tpu_ops", "v1_optimizer", "variable_utils", "while_v2",
 ]

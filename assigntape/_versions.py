@@ -69,7 +69,7 @@ __all__ = [
     "new_version",
 ]
 
-_tls = threading.local()
+_tls: Any = threading.local()  # per thread: scopes, plain, merging, constructing, ...
 # Every open scope of every thread, for the one question asked across threads:
 # is a variable tracked by a tape in another thread (see ``tracked_in_other_thread``)?
 _all_scopes: List["Scope"] = []
@@ -290,7 +290,7 @@ def idle(wait: Optional[float] = None) -> None:
     if time.monotonic() - _active_at < (IDLE_SECONDS if wait is None else wait):
         return
     with _all_lock:
-        if _switched and not _all_scopes and not closed_tapes.data:
+        if _switched and not _all_scopes and not _leases.closed_refs:
             if _leases.plain:
                 # A plain tape that ran beside one of ours keeps versions: its
                 # gradient must still map them (``_plain_tapes.gradient``).
@@ -763,7 +763,7 @@ def cut(scopes: List[Scope], var: Any, what: str, after: Any = None) -> None:
 # as a write under stop_recording is (see ``AssignAwareTape.__enter__``).
 # They are ``_leases.closed``: while any is there, the patches are needed.
 closed_tapes = _leases.closed
-_closed_refs = closed_tapes.data
+_closed_refs = _leases.closed_refs
 
 
 def note_write_while_closed(handle: Any, var: Any = None) -> None:
@@ -940,7 +940,7 @@ def short_path_scope(var: Any) -> Optional[Scope]:
     tape is the only one open in any thread (none could have seen the
     variable), not acting for a replica, on a differentiable variable."""
     scope = short_path_read_scope(var)
-    if scope is None or len(_tls.scopes) < len(_all_scopes) or getattr(_tls, "merging", ()) or not differentiable(var):
+    if scope is None or len(_tls.scopes) < len(_all_scopes) or getattr(_tls, "merging", None) or not differentiable(var):
         return None
     return scope
 
@@ -949,7 +949,7 @@ def owner(tensor: Any) -> Optional[Tuple[Scope, Any]]:
     """The scope and variable whose handle ``tensor`` is, if a tape tracks it
     (or, eagerly, if it is a variable's own handle: the tape tracks it from now)."""
     scopes = getattr(_tls, "scopes", None)
-    if not scopes or not isinstance(tensor, tensor_lib.Tensor) or getattr(_tls, "constructing", 0):
+    if not scopes or not isinstance(tensor, tensor_lib.Tensor) or getattr(_tls, "constructing", None):
         return None
     scope = _enclosing_scope(scopes)
     if scope is None:
@@ -1099,7 +1099,8 @@ def eager_scope() -> Optional[Scope]:
     ctx = _context._context  # (every eager read asks: TensorFlow's context, directly)
     if ctx is None or not ctx._thread_local_data.is_eager:
         return None
-    return scopes.get(None)
+    scope: Optional[Scope] = scopes.get(None)
+    return scope
 
 
 class Branch:
@@ -1213,7 +1214,7 @@ def open_plain() -> List[Any]:
     return found
 
 
-class _PlainList(list):
+class _PlainList(List[Any]):
     """A list that can be referenced weakly."""
 
 
@@ -1322,7 +1323,7 @@ def serve_handle(scope: Scope, inst: Any, d: Dict[str, Any], handle: Any = None)
     ``d``) in ``scope``, noted: ``handle`` if given (a cond branch's version),
     else the variable's current version there. (The short paths call it with
     the scope they found.)"""
-    uid = d.get("_unique_id")
+    uid: Any = d.get("_unique_id")
     if handle is None:
         handle = scope.current.get(uid)
         if handle is None:
@@ -1467,7 +1468,8 @@ def differentiable(var: Any) -> bool:
     """Whether writes to ``var`` carry gradients. Integer and bool variables
     (optimizer iteration counters, step flags) do not: their writes stay plain
     TensorFlow."""
-    return var.dtype.is_floating or var.dtype.is_complex
+    floating: bool = var.dtype.is_floating or var.dtype.is_complex
+    return floating
 
 
 def new_version(old: Any, write_result: Any) -> Any:

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import inspect
 import types
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import wrapt
 
 __all__ = ["Wrapper", "bind", "binds", "like", "params_of", "patch"]
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
-class _BoundWrapper(wrapt.BoundFunctionWrapper):
+
+class _BoundWrapper(wrapt.BoundFunctionWrapper):  # type: ignore[type-arg]  # (wrapt types it by the wrapped callable; ours wrap any)
     autograph_info__: Dict[str, Any] = {}
 
 
-class Wrapper(wrapt.FunctionWrapper):
+class Wrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]  # (as above)
     # AutoGraph warns about every wrapt-wrapped callee it meets while converting
     # a tf.function (user code calling tf.raw_ops directly, or a patched method
     # such as GradientTape.gradient), unless the callee looks like one of its
@@ -63,18 +65,19 @@ def patch(
     return like(method, original, function)
 
 
-def like(method: Any, original: Any, function: Callable[..., Any]) -> Any:
+def like(method: _F, original: Any, function: Callable[..., Any]) -> _F:
     """``method``, made to look like ``original`` to introspection, and
     marked as a patch that calls ``function``."""
+    marked: Any = method  # (the attributes below are a function's, not a callable's)
     for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
-        setattr(method, attribute, getattr(original, attribute))
-    method.__wrapped__ = original
+        setattr(marked, attribute, getattr(original, attribute))
+    marked.__wrapped__ = original
     # inspect.getfullargspec (which TensorFlow's tf_inspect uses) does not
     # follow ``__wrapped__``, but takes a ``__signature__``: the original's.
-    method.__signature__ = inspect.signature(original)
-    method._self_wrapper = function  # (wrapt's name: one check finds either)
+    marked.__signature__ = inspect.signature(original)
+    marked._self_wrapper = function  # (wrapt's name: one check finds either)
     # As Wrapper's class attribute: AutoGraph calls it unconverted.
-    method.autograph_info__ = {}
+    marked.autograph_info__ = {}
     return method
 
 

@@ -214,7 +214,7 @@ def _forward(params: Sequence[Any], x: Any) -> Any:
 
 
 @tf.function
-def _adapt(params: List[Any], step_sizes: List[Any], xs: Any, ys: Any, xq: Any, yq: Any, steps: int):
+def _adapt(params: List[Any], step_sizes: List[Any], xs: Any, ys: Any, xq: Any, yq: Any, steps: int) -> Tuple[Any, List[Any]]:
     """Per-step mean query MSE (steps + 1 values) and the adapted params."""
     def query_mse(params: List[Any]) -> Any:
         return tf.reduce_mean(tf.square(_forward(params, xq) - yq))
@@ -248,7 +248,8 @@ def evaluate(
     else:
         sizes = [tf.constant(a) for a in step_sizes]
     curve, _ = _adapt(params, sizes, *[tf.constant(a) for a in held_out], steps)
-    return curve.numpy()
+    values: np.ndarray = curve.numpy()
+    return values
 
 
 def _held_out(config: Config) -> Tuple[np.ndarray, ...]:

@@ -11,7 +11,7 @@ same program with every write rebinding a plain tensor, differentiated by
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Type
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Type
 
 import tensorflow as tf
 
@@ -71,7 +71,7 @@ def _mix(x: Any, a: Any, b: Any) -> Any:
     return (1 - x) * a + x * b
 
 
-def _lists_case(a0: Sequence[Any], b0: Sequence[Any], x0: float, loss_fn: Callable[[List[Any]], Any]):
+def _lists_case(a0: Sequence[Any], b0: Sequence[Any], x0: float, loss_fn: Callable[[List[Any]], Any]) -> Tuple[Callable[[Type[tf.GradientTape]], Any], Callable[[], Any], Callable[[], Any]]:
     def program(tape_class: Type[tf.GradientTape]) -> Any:
         a = [tf.Variable(v, dtype=tf.float32) for v in a0]
         b = [tf.Variable(v, dtype=tf.float32) for v in b0]

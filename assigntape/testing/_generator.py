@@ -47,7 +47,7 @@ def generate(
     complex_ = [tf.as_dtype(d).is_complex for d in names]
     keras = tuple(keras_variables and not c and draw(st.integers(0, 3)) == 0 for c in complex_)
     n_params = draw(st.integers(0, 2))
-    statements: List[tuple] = []
+    statements: List[Tuple[Any, ...]] = []
     n_temps = 0
     opened = paused = plain_inner = False
 

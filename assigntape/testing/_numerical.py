@@ -97,7 +97,7 @@ class _PerturbingTape(AssignAwareTape):
             noted(*args)
             self._perturb()
 
-        last.note_write = then_perturb
+        last.note_write = then_perturb  # type: ignore[method-assign]  # (on this record only, once)
 
     def _perturb(self) -> None:
         # Recorded like any write, so that tapes opened inside fn (whose

@@ -34,7 +34,7 @@ class Program:
     shapes: Tuple[Tuple[int, ...], ...]
     dtypes: Tuple[str, ...]
     n_params: int
-    statements: Tuple[tuple, ...]
+    statements: Tuple[Tuple[Any, ...], ...]
     seed: int
     keras: Tuple[bool, ...] = ()
 
