@@ -531,3 +531,119 @@ def test_swap_tape_runs_the_conformance_suite():
     assert "passed" in done.stdout and "failed" not in done.stdout
     count = int(done.stdout.split("swap_tape: ")[1].split()[0])
     assert count > 0
+
+
+_TF_KERAS_SUITE = '''
+import tensorflow as tf
+import tf_keras  # imported during the session: its modules take the swapped class by name
+from assigntape import AssignAwareTape
+
+
+def test_swapped_for_tf_keras_too():
+    assert issubclass(tf.compat.v1.GradientTape, AssignAwareTape)
+    assert issubclass(tf.compat.v2.GradientTape, AssignAwareTape)
+'''
+
+_AFTER_PYTEST_MAIN = r'''
+import sys
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.eager import backprop
+
+original = backprop.GradientTape
+code = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "assigntape.testing.swap_tape", sys.argv[1]])
+assert code == 0, code
+from assigntape.testing import swap_tape
+
+held = [(getattr(m, "__name__", m), a) for m in list(sys.modules.values()) if m is not None
+        and m is not swap_tape for a, v in list(vars(m).items()) if v is swap_tape.SwappedGradientTape]
+assert not held, held
+assert tf.compat.v1.GradientTape is original and tf.compat.v2.GradientTape is original
+assert tf.GradientTape is original and backprop.GradientTape is original
+import tf_keras
+
+before = swap_tape.swapped_count()
+model = tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(2,))])
+model.compile(optimizer="sgd", loss="mse")
+model.fit(np.ones((4, 2)), np.ones((4, 1)), epochs=1, verbose=0)
+assert swap_tape.swapped_count() == before, (before, swap_tape.swapped_count())
+print("RESTORED")
+'''
+
+
+def _python(script, args, cwd):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_swap_tape_puts_back_every_alias_after_pytest_main_in_process(tmp_path):
+    # tf.compat.v1 / v2 are loaded lazily (after install, when tf_keras is
+    # imported), copying the swapped class; tf_keras' training_eager_v1 takes it
+    # by name. After the session no module may hold it, and tf_keras' fit
+    # makes plain tapes again.
+    (tmp_path / "test_tf_keras_swapped.py").write_text(_TF_KERAS_SUITE)
+    done = _python(_AFTER_PYTEST_MAIN, ["test_tf_keras_swapped.py"], tmp_path)
+    assert done.returncode == 0 and "RESTORED" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_swap_tape_uninstall_puts_back_aliases_made_while_swapped():
+    from assigntape.testing import swap_tape
+
+    import types
+
+    late = types.ModuleType("assigntape_test_late_module")
+    sys.modules[late.__name__] = late
+    swap_tape.install()
+    try:
+        late.GradientTape = tf.GradientTape  # as `from tensorflow import GradientTape` would
+        late.Tape = tf.compat.v1.GradientTape
+        assert late.GradientTape is swap_tape.SwappedGradientTape
+    finally:
+        swap_tape.uninstall()
+        del sys.modules[late.__name__]
+    assert late.GradientTape is swap_tape._ORIGINAL and late.Tape is swap_tape._ORIGINAL
+
+
+_COMPILED_BATCH_NORM_SUITE = '''
+import numpy as np
+import keras
+import tensorflow as tf
+from assigntape.testing.swap_tape import _ORIGINAL
+
+
+def test_an_eager_tape_around_a_compiled_batch_norm_model():
+    # A correct suite: the compiled call updates BatchNorm's moving statistics
+    # (not trainable, not differentiated). The gradient must be the plain tape's.
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.BatchNormalization()])
+    call = tf.function(lambda x: model(x, training=True))
+    x = tf.constant(np.arange(12.0).reshape(4, 3) / 7.0, tf.float32)
+    weights = [w.value for w in model.trainable_weights]
+    with _ORIGINAL() as plain:
+        expected = plain.gradient(tf.reduce_sum(call(x) ** 3), weights)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(call(x) ** 3)
+    got = tape.gradient(loss, weights)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-6)
+'''
+
+
+def test_swap_tape_untracked_writes_option(tmp_path):
+    (tmp_path / "test_batch_norm.py").write_text(_COMPILED_BATCH_NORM_SUITE)
+    plugin = ["-p", "assigntape.testing.swap_tape", "-W", "ignore::UserWarning", "test_batch_norm.py"]
+    refused = _pytest(plugin, tmp_path)  # the default: the function's write is refused
+    assert refused.returncode == 1 and "UntrackedWriteError" in refused.stdout, refused.stdout[-3000:]
+    cut = _pytest(["--assigntape-untracked-writes=cut", *plugin], tmp_path)
+    assert cut.returncode == 0 and "1 passed" in cut.stdout, cut.stdout[-3000:] + cut.stderr[-3000:]
+    (tmp_path / "pytest.ini").write_text("[pytest]\nassigntape_untracked_writes = cut\n")
+    ini = _pytest(plugin, tmp_path)
+    assert ini.returncode == 0 and "1 passed" in ini.stdout, ini.stdout[-3000:] + ini.stderr[-3000:]
+    # The command line wins over the ini file; a bad ini value is a usage error.
+    overridden = _pytest(["--assigntape-untracked-writes=raise", *plugin], tmp_path)
+    assert overridden.returncode == 1 and "UntrackedWriteError" in overridden.stdout
+    (tmp_path / "pytest.ini").write_text("[pytest]\nassigntape_untracked_writes = sometimes\n")
+    bad = _pytest(plugin, tmp_path)
+    assert bad.returncode == 4 and "assigntape_untracked_writes" in bad.stderr, bad.stdout[-2000:] + bad.stderr[-2000:]
