@@ -188,3 +188,44 @@ def test_away_from_zero_the_tangents_are_tensorflows(dtype):
             with tf.autodiff.ForwardAccumulator(primals, tangents) as acc:
                 ours = acc.jvp(fn(*primals))
         np.testing.assert_allclose(ours.numpy(), tensorflows.numpy(), rtol=1e-14)
+
+
+@pytest.mark.parametrize("accumulator", ACCUMULATORS)
+def test_forward_hypergradient_through_the_fused_v1_adam_with_an_unused_row(accumulator):
+    # tf.compat.v1's Adam runs the fused ResourceApplyAdam kernel, whose
+    # rewrite takes sqrt of the second moment as Keras' does.
+    w0 = np.array([[1.0, 2.0], [3.0, 4.0], [0.5, -0.5]])
+    w = tf.Variable(w0)
+    lr = tf.Variable(0.05, dtype=tf.float64)
+    optimizer = tf.compat.v1.train.AdamOptimizer(learning_rate=lambda: lr)
+
+    def steps() -> Any:
+        for _ in range(2):
+            with tf.GradientTape() as inner:
+                loss = tf.reduce_sum((tf.gather(w, [0, 2]) - 0.5) ** 2)  # row 1 unused
+            optimizer.apply_gradients([(tf.convert_to_tensor(inner.gradient(loss, w)), w)])
+        return tf.reduce_sum(tf.sin(w))
+
+    steps()  # makes the slots
+
+    def reset(lr_value: float = 0.05) -> None:
+        w.assign(w0)
+        lr.assign(lr_value)
+        for slot in optimizer.variables():
+            name = slot.name
+            slot.assign(tf.fill(tf.shape(slot), tf.constant(0.9 if "beta1" in name else 0.999 if "beta2" in name else 0.0, slot.dtype)))
+
+    reset()
+    jvp = _jvp(accumulator, lr, steps)
+    reset()
+    with AssignAwareTape() as tape:
+        final = steps()
+    grad = tape.gradient(final, lr)
+    h = 1e-5
+    reset(0.05 + h)
+    plus = float(steps())
+    reset(0.05 - h)
+    minus = float(steps())
+    assert np.isfinite(float(jvp)) and abs(float(grad)) > 1e-2
+    np.testing.assert_allclose(float(jvp), float(grad), rtol=1e-10)
+    np.testing.assert_allclose(float(jvp), (plus - minus) / (2 * h), rtol=1e-6)
