@@ -387,10 +387,12 @@ class AwareEvents:
 
     def __call__(self, event: str, flag: bool, temps: List[Any]) -> None:
         if event == "inner":
-            # An inner tape of ours cuts what the outer one cuts: the writes
-            # in tf.functions (else it would refuse them).
-            untracked = {"untracked_writes": self.tape._untracked_writes} if flag else {}
-            self.inner = (AssignAwareTape if flag else tf.GradientTape)(persistent=True, **untracked)
+            if flag:
+                # An inner tape of ours cuts what the outer one cuts: the
+                # writes in tf.functions (else it would refuse them).
+                self.inner = AssignAwareTape(persistent=True, untracked_writes=self.tape._untracked_writes)
+            else:
+                self.inner = tf.GradientTape(persistent=True)
             self.inner.__enter__()
             self.inner.watch(self.params)
             self.store.tapes.append(self.inner)

@@ -89,7 +89,7 @@ def _aliases() -> List[Tuple[Any, str]]:
     made from them since (a TensorFlow API module loaded lazily after
     ``install`` copies the swapped class from ``backprop``; a module imported
     meanwhile may have taken it by name)."""
-    found = []
+    found: List[Tuple[Any, str]] = []
     for module in list(sys.modules.values()):
         if module is None or module is sys.modules[__name__]:
             continue
