@@ -55,7 +55,7 @@ from assigntape._tf import (
     while_v2,
 )
 
-from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _leases, _plain_tapes, _rules, _short_paths, _versions, _writes
+from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _jvp, _leases, _plain_tapes, _rules, _short_paths, _versions, _writes
 from assigntape._wrapping import Wrapper, patch
 
 __all__ = ["acquire", "follow_plain_tapes", "installed", "refuse_unfollowed_recorders", "release", "remove_unused", "uninstall"]
@@ -368,6 +368,7 @@ def _install() -> None:
         _put(owner, name, function)
     _serve_short_paths()
     _versions.serve_handles(True)
+    _jvp.register(True)
     for group in _groups:
         group.put(group.wrappers)
         if not hasattr(group.owner, "_fastdict_insert"):
@@ -430,6 +431,7 @@ def refuse_unfollowed_recorders() -> None:
 
 def _uninstall() -> None:
     _versions.serve_handles(False)
+    _jvp.register(False)
     for group in _groups:
         group.put(group.originals)
     while _saved:

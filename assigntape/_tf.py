@@ -137,6 +137,8 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (pywrap_tfe, "TFE_Py_PackJVPs", "whether a write's inputs carry tangents"),
     (record, "record_operation_backprop_only", "a write's version on reverse tapes"),
     (record, "record_operation_forwardprop_only", "a write's version on accumulators"),
+    (forwardprop, "_jvp_dispatch", "TensorFlow's jvp function, which ours calls for all but Sqrt at 0 (_jvp)"),
+    (pywrap_tfe, "TFE_Py_RegisterJVPFunction", "registering ours while the patches are installed (_jvp)"),
     (control_flow_util, "GraphOrParentsInXlaContext", "refusing what XLA cannot check"),
     (variable_utils, "convert_variables_to_tensors", "cond and loop outputs that are variables"),
     (config_lib, "DoNotConvert", "AutoGraph leaves our wrappers alone"),

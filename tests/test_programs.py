@@ -362,6 +362,51 @@ def test_random_programs_with_tape_events(program):
     program.check()
 
 
+# Tape events and writes in tf.functions together: every program generated is
+# one whose own check() runs (its tapes, the inner one of ours too, cut the
+# functions' writes); none is refused with UntrackedWriteError.
+@settings(max_examples=_n(60))
+@given(programs(events=True, function_writes=True))
+# Reported (issue 36): a write in a tf.function, then the tape paused.
+@example(
+    program=Program(
+        shapes=((),), dtypes=("float64",), n_params=2, seed=367, keras=(False,),
+        statements=(
+            ("fn_write", 0, "assign_add", ("param", 0, 2), ("var", 0, 1), "add", "square"),
+            ("write", 0, "assign", ("var", 0, 5), ("param", 1, 0), "mul", "tanh"),
+            ("event", "pause", False),
+            ("write_const", 0, "assign_sub"),
+            ("event", "resume", False),
+        ),
+    )
+)
+# An inner tape of ours open when a tf.function writes.
+@example(
+    program=Program(
+        shapes=((3,),), dtypes=("float32",), n_params=1, seed=5, keras=(False,),
+        statements=(
+            ("event", "inner", True),
+            ("fn_write", 0, "assign", ("param", 0, 0), ("var", 0, 0), "mul", "sin"),
+            ("read", ("var", 0, 4), "square"),
+        ),
+    )
+)
+def test_random_programs_with_tape_events_and_writes_in_functions(program):
+    program.check()
+
+
+def test_the_generator_combines_tape_events_and_writes_in_functions():
+    # The combination is generated, not filtered out.
+    from hypothesis import find
+
+    found = find(
+        programs(events=True, function_writes=True),
+        lambda p: "event" in p.kinds() and "fn_write" in p.kinds(),
+        settings=settings(database=None, max_examples=500),
+    )
+    assert "event" in found.kinds() and "fn_write" in found.kinds()
+
+
 def test_the_generator_makes_programs_that_need_the_tape():
     # A fixed program with a chain of writes: the plain tape loses the gradient
     # that the rewrite and the AssignAwareTape both find.

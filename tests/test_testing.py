@@ -17,10 +17,11 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 
 from assigntape import AssignAwareTape
 from assigntape.testing import check_gradients, numerical_gradient
+from assigntape.testing.strategies import programs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -257,6 +258,121 @@ def test_check_gradients_none_where_the_numerical_one_is_zero_passes():
     analytic, numeric = check_gradients(lambda: a * 3.0, [a, b])
     assert analytic[1] is None and numeric[1] == 0.0
     np.testing.assert_allclose(analytic[0], 3.0)
+
+
+# -- what check_gradients exists to catch --------------------------------------------
+
+_INNER_LR = 2.2e-5  # lr * |h''(w0)| = 2.2e-5 * 9 sin(1.5) = 2e-4: the dropped term's relative size
+
+
+@tf.custom_gradient
+def _first_order_step(x):
+    """w - lr h'(w) with h(w) = sin(3 w), differentiated as if h' were a
+    constant: the second-order path (-lr h''(w)) is dropped."""
+    with tf.GradientTape() as inner:
+        inner.watch(x)
+        h = tf.sin(3.0 * x)
+    return x - _INNER_LR * inner.gradient(h, x), lambda upstream: upstream
+
+
+def _inner_step_case(second_order):
+    """w <- w - lr h'(w), loss = exp(w): d loss / d w0 = exp(w1) (1 - lr h''(w0)),
+    h''(w) = -9 sin(3 w); dropping the second-order path is off by 2e-4 relative."""
+    w = _f64(0.5, "inner_step")
+
+    def fn():
+        if second_order:
+            with tf.GradientTape() as inner:  # a tape inside fn, which the outer tape follows
+                h = tf.sin(3.0 * w)
+            w.assign(w - _INNER_LR * inner.gradient(h, w))
+        else:
+            w.assign(_first_order_step(tf.convert_to_tensor(w)))
+        return tf.exp(w)
+
+    return w, fn
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_check_gradients_catches_a_dropped_second_order_path(compiled):
+    w, fn = _inner_step_case(second_order=False)
+    with pytest.raises(AssertionError, match="inner_step"):
+        check_gradients(fn, [w], compiled=compiled)
+    assert w.numpy() == 0.5
+    # The right program passes, and matches the hand derivation.
+    w, fn = _inner_step_case(second_order=True)
+    analytic, numeric = check_gradients(fn, [w], compiled=compiled)
+    w1 = 0.5 - _INNER_LR * 3.0 * np.cos(1.5)
+    expected = np.exp(w1) * (1.0 + _INNER_LR * 9.0 * np.sin(1.5))
+    np.testing.assert_allclose(analytic[0], expected, rtol=1e-12)
+    np.testing.assert_allclose(numeric[0], expected, rtol=1e-9)
+
+
+@tf.custom_gradient
+def _doubled_gradient(x):
+    return tf.identity(x), lambda upstream: 2.0 * upstream  # the true gradient is 1
+
+
+@pytest.mark.parametrize("dtype", [tf.float64, tf.float32])
+@pytest.mark.parametrize("scale", [1e-6, 1.0, 1e6])
+def test_check_gradients_catches_a_factor_two_at_any_scale(dtype, scale):
+    # loss = scale * sum(w1^2) with w1 = 3 w0: d loss / d w0 = 18 scale w0; the
+    # tape says twice that. The right program (no custom gradient) passes.
+    w = tf.Variable([0.5, -0.25], dtype=dtype, name="scaled")
+
+    def fn(wrong):
+        def body():
+            w.assign(3.0 * (_doubled_gradient(tf.convert_to_tensor(w)) if wrong else w))
+            return tf.cast(scale, dtype) * tf.reduce_sum(w * w)
+
+        return body
+
+    with pytest.raises(AssertionError, match="scaled"):
+        check_gradients(fn(True), [w])
+    analytic, _ = check_gradients(fn(False), [w])
+    np.testing.assert_allclose(analytic[0], 18.0 * scale * np.array([0.5, -0.25]), rtol=1e-5)
+
+
+def test_check_gradients_none_against_a_tiny_but_real_gradient_fails():
+    # A loss of scale 1e-9 whose gradient the tape lost (a stop_gradient on the
+    # written value): the differences measure 2e-9 a, well above their error.
+    a, c = _f64(2.0, "tiny_cut"), _f64(0.0)
+
+    def fn():
+        c.assign(tf.stop_gradient(a * 1e-9))
+        return c * a
+
+    with pytest.raises(AssertionError, match="tiny_cut"):
+        check_gradients(fn, [a])
+
+
+_SMOOTH_WRITES = ("assign", "assign_add", "assign_sub", "scatter_update", "scatter_add", "scatter_sub",
+                  "scatter_mul", "scatter_nd_update", "scatter_nd_add", "scatter_nd_sub", "slice")
+
+
+def _generated_check(program):
+    from assigntape.testing._interpreter import VariableStore, interpret, state
+
+    _, _, variables, params = state(program)
+    check_gradients(lambda: interpret(program, VariableStore(variables, []), params), variables)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(programs(dtypes=["float64"], writes=_SMOOTH_WRITES, stopped_writes=False, max_steps=6))
+def test_check_gradients_passes_right_programs_in_float64(program):
+    # Right programs (the tape against its own rewrite is Program.check's
+    # business): no false alarm from the estimated tolerances. Writes whose
+    # value has kinks (min, max) or poles (div) are left out.
+    _generated_check(program)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(programs(dtypes=["float32"], writes=_SMOOTH_WRITES, stopped_writes=False, max_steps=6))
+def test_check_gradients_passes_right_programs_in_float32(program):
+    # Not with a constant written over a small value: in float32, 1e-10 + 0.25
+    # - 0.25 rounds to a staircase of step 3e-8 that the differences see as
+    # flat (README "Known limits": check such code in float64).
+    assume("write_const" not in program.kinds())
+    _generated_check(program)
 
 
 # -- bad input ---------------------------------------------------------------------
@@ -531,3 +647,119 @@ def test_swap_tape_runs_the_conformance_suite():
     assert "passed" in done.stdout and "failed" not in done.stdout
     count = int(done.stdout.split("swap_tape: ")[1].split()[0])
     assert count > 0
+
+
+_TF_KERAS_SUITE = '''
+import tensorflow as tf
+import tf_keras  # imported during the session: its modules take the swapped class by name
+from assigntape import AssignAwareTape
+
+
+def test_swapped_for_tf_keras_too():
+    assert issubclass(tf.compat.v1.GradientTape, AssignAwareTape)
+    assert issubclass(tf.compat.v2.GradientTape, AssignAwareTape)
+'''
+
+_AFTER_PYTEST_MAIN = r'''
+import sys
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.eager import backprop
+
+original = backprop.GradientTape
+code = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "assigntape.testing.swap_tape", sys.argv[1]])
+assert code == 0, code
+from assigntape.testing import swap_tape
+
+held = [(getattr(m, "__name__", m), a) for m in list(sys.modules.values()) if m is not None
+        and m is not swap_tape for a, v in list(vars(m).items()) if v is swap_tape.SwappedGradientTape]
+assert not held, held
+assert tf.compat.v1.GradientTape is original and tf.compat.v2.GradientTape is original
+assert tf.GradientTape is original and backprop.GradientTape is original
+import tf_keras
+
+before = swap_tape.swapped_count()
+model = tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(2,))])
+model.compile(optimizer="sgd", loss="mse")
+model.fit(np.ones((4, 2)), np.ones((4, 1)), epochs=1, verbose=0)
+assert swap_tape.swapped_count() == before, (before, swap_tape.swapped_count())
+print("RESTORED")
+'''
+
+
+def _python(script, args, cwd):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_swap_tape_puts_back_every_alias_after_pytest_main_in_process(tmp_path):
+    # tf.compat.v1 / v2 are loaded lazily (after install, when tf_keras is
+    # imported), copying the swapped class; tf_keras' training_eager_v1 takes it
+    # by name. After the session no module may hold it, and tf_keras' fit
+    # makes plain tapes again.
+    (tmp_path / "test_tf_keras_swapped.py").write_text(_TF_KERAS_SUITE)
+    done = _python(_AFTER_PYTEST_MAIN, ["test_tf_keras_swapped.py"], tmp_path)
+    assert done.returncode == 0 and "RESTORED" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_swap_tape_uninstall_puts_back_aliases_made_while_swapped():
+    from assigntape.testing import swap_tape
+
+    import types
+
+    late = types.ModuleType("assigntape_test_late_module")
+    sys.modules[late.__name__] = late
+    swap_tape.install()
+    try:
+        late.GradientTape = tf.GradientTape  # as `from tensorflow import GradientTape` would
+        late.Tape = tf.compat.v1.GradientTape
+        assert late.GradientTape is swap_tape.SwappedGradientTape
+    finally:
+        swap_tape.uninstall()
+        del sys.modules[late.__name__]
+    assert late.GradientTape is swap_tape._ORIGINAL and late.Tape is swap_tape._ORIGINAL
+
+
+_COMPILED_BATCH_NORM_SUITE = '''
+import numpy as np
+import keras
+import tensorflow as tf
+from assigntape.testing.swap_tape import _ORIGINAL
+
+
+def test_an_eager_tape_around_a_compiled_batch_norm_model():
+    # A correct suite: the compiled call updates BatchNorm's moving statistics
+    # (not trainable, not differentiated). The gradient must be the plain tape's.
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.BatchNormalization()])
+    call = tf.function(lambda x: model(x, training=True))
+    x = tf.constant(np.arange(12.0).reshape(4, 3) / 7.0, tf.float32)
+    weights = [w.value for w in model.trainable_weights]
+    with _ORIGINAL() as plain:
+        expected = plain.gradient(tf.reduce_sum(call(x) ** 3), weights)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(call(x) ** 3)
+    got = tape.gradient(loss, weights)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-6)
+'''
+
+
+def test_swap_tape_untracked_writes_option(tmp_path):
+    (tmp_path / "test_batch_norm.py").write_text(_COMPILED_BATCH_NORM_SUITE)
+    plugin = ["-p", "assigntape.testing.swap_tape", "-W", "ignore::UserWarning", "test_batch_norm.py"]
+    refused = _pytest(plugin, tmp_path)  # the default: the function's write is refused
+    assert refused.returncode == 1 and "UntrackedWriteError" in refused.stdout, refused.stdout[-3000:]
+    cut = _pytest(["--assigntape-untracked-writes=cut", *plugin], tmp_path)
+    assert cut.returncode == 0 and "1 passed" in cut.stdout, cut.stdout[-3000:] + cut.stderr[-3000:]
+    (tmp_path / "pytest.ini").write_text("[pytest]\nassigntape_untracked_writes = cut\n")
+    ini = _pytest(plugin, tmp_path)
+    assert ini.returncode == 0 and "1 passed" in ini.stdout, ini.stdout[-3000:] + ini.stderr[-3000:]
+    # The command line wins over the ini file; a bad ini value is a usage error.
+    overridden = _pytest(["--assigntape-untracked-writes=raise", *plugin], tmp_path)
+    assert overridden.returncode == 1 and "UntrackedWriteError" in overridden.stdout
+    (tmp_path / "pytest.ini").write_text("[pytest]\nassigntape_untracked_writes = sometimes\n")
+    bad = _pytest(plugin, tmp_path)
+    assert bad.returncode == 4 and "assigntape_untracked_writes" in bad.stderr, bad.stdout[-2000:] + bad.stderr[-2000:]

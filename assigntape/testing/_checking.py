@@ -8,10 +8,22 @@ import numpy as np
 import tensorflow as tf
 
 from assigntape._tape import AssignAwareTape
-from assigntape.testing._numerical import numerical_gradient, probed, scalar_value
+from assigntape.testing._numerical import Estimate, estimates, probed, scalar_value
 from assigntape.testing._sources import Source
 
 __all__ = ["check_gradients", "mismatch_table"]
+
+# The tape's own rounding, in units in the last place of the largest entry of
+# a source's gradient: what an exact gradient computed in the variable's
+# precision may still differ by.
+_TAPE_ULPS = 64
+# In single or half precision, a value rounded at the scale of an
+# intermediate far larger than the loss (a small version plus a constant,
+# then minus it) puts noise into the differences that neither their fourth
+# difference nor the loss's own rounding need show: they are trusted only to
+# this fraction of the gradient's largest entry (a wrong factor is caught;
+# a small dropped term needs float64).
+_LOW_PRECISION_FLOOR = 0.05
 
 
 def _as_array(g: Any) -> Optional[np.ndarray]:
@@ -36,16 +48,32 @@ def _analytic(fn: Callable[[], Any], sources: List[Source], compiled: bool) -> L
     return [_as_array(g) for g in grads]
 
 
-def _row(source: Source, analytic: Optional[np.ndarray], numeric: np.ndarray, rtol: float, atol: float) -> Optional[List[str]]:
+def allowed(source: Source, estimate: Estimate, analytic: Optional[np.ndarray], rtol: float, atol: float) -> np.ndarray:
+    """How far the tape's gradient may be from the differences, element by
+    element: their error bound, the tape's own rounding relative to the
+    gradient's scale (the largest entry of either answer), in single or half precision
+    ``_LOW_PRECISION_FLOOR`` of that scale, and the caller's ``atol`` and
+    ``rtol``."""
+    numeric = np.abs(estimate.value)
+    eps = float(np.finfo(source.variable.dtype.as_numpy_dtype).eps)
+    # The gradient's scale: the larger of the two answers' largest entries.
+    scale = max(float(np.max(numeric, initial=0.0)), float(np.nanmax(np.abs(analytic), initial=0.0)) if analytic is not None else 0.0)
+    floor = _TAPE_ULPS * eps + (_LOW_PRECISION_FLOOR if eps > 1e-10 else 0.0)
+    return estimate.error + floor * scale + atol + rtol * numeric
+
+
+def _row(source: Source, analytic: Optional[np.ndarray], estimate: Estimate, tolerance: np.ndarray) -> Optional[List[str]]:
     """The table row of a mismatching source, else None."""
+    numeric = estimate.value
     if analytic is None:
-        if not np.any(np.abs(numeric) > atol):
+        if not np.any(np.abs(numeric) > tolerance):
             return None  # no path, and none measured
         where = np.unravel_index(int(np.argmax(np.abs(numeric))), numeric.shape) if numeric.ndim else ()
-        return [source.name, "inf", "inf", str(tuple(int(i) for i in where)), "None", _num(numeric[where])]
+        return [source.name, "inf", "inf", str(tuple(int(i) for i in where)), "None", _num(numeric[where]),
+                f"{float(tolerance[where]):.3g}"]
     analytic = np.broadcast_to(analytic, numeric.shape)
     error = np.abs(analytic - numeric)
-    bad = error > atol + rtol * np.abs(numeric)
+    bad = error > tolerance
     if not np.any(bad) and not np.any(np.isnan(analytic) != np.isnan(numeric)):
         return None
     relative = error / np.maximum(np.abs(numeric), np.finfo(np.float64).tiny)
@@ -58,6 +86,7 @@ def _row(source: Source, analytic: Optional[np.ndarray], numeric: np.ndarray, rt
         str(tuple(int(i) for i in where)),
         _num(analytic[where]),
         _num(numeric[where]),
+        f"{float(tolerance[where]):.3g}",
     ]
 
 
@@ -66,7 +95,7 @@ def _num(x: Any) -> str:
 
 
 def mismatch_table(rows: Sequence[Sequence[str]]) -> str:
-    header = ["source", "max abs error", "max rel error", "at index", "tape", "numerical"]
+    header = ["source", "max abs error", "max rel error", "at index", "tape", "numerical", "allowed"]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -77,22 +106,34 @@ def check_gradients(
     fn: Callable[[], Any],
     sources: Any,
     *,
-    delta: float = 1e-3,
-    rtol: float = 1e-3,
-    atol: float = 1e-5,
+    delta: Optional[float] = None,
+    rtol: float = 0.0,
+    atol: float = 0.0,
     compiled: bool = False,
 ) -> Tuple[List[Optional[np.ndarray]], List[np.ndarray]]:
     """Checks the ``AssignAwareTape`` gradients of ``fn()`` against finite differences.
 
     ``fn`` runs under an ``AssignAwareTape`` and the tape's gradients with
-    respect to ``sources`` are compared with ``numerical_gradient(fn, sources,
-    delta=delta)``, element by element: ``|tape - numerical| <= atol + rtol *
-    |numerical|``. A ``None`` gradient passes only where the numerical one is
-    zero (within ``atol``). Every variable ``fn`` writes, and every source, is
-    written back to its value from before the call, also on failure.
+    respect to ``sources`` are compared with finite differences, element by
+    element. The differences are Richardson's extrapolation of central
+    differences with steps ``delta`` and ``delta / 2`` (truncation error
+    O(delta^4)), and the tolerance comes from their own error estimate:
+    twice the gap between the two steps' central differences, plus the
+    rounding noise of ``fn``'s values (measured by their fourth difference,
+    and at least a few units in the last place) divided by the step, plus the
+    tape's rounding relative to the gradient's scale (its largest entry),
+    plus the caller's ``atol + rtol * |numerical|``. So a gradient that is
+    off by a small term (a dropped second-order path, 1e-4 relative) fails
+    in float64, and a gradient off by a factor fails whatever its scale (a
+    loss of 1e-6). A ``None`` gradient passes only where the differences are
+    zero within that tolerance. Every variable ``fn`` writes, and every
+    source, is written back to its value from before the call, also on
+    failure.
 
-    Use float64 variables: in float32 the differences are good to two or three
-    digits at best.
+    Check in float64: in float32 (or half precision), the rounding noise
+    divided by the step leaves two or three digits at best, so the tolerance
+    there is at least 5% of the gradient's largest entry: enough to catch a
+    wrong factor, not a small dropped term.
 
     Args:
       fn: A callable with no arguments that returns a real scalar tensor. It
@@ -101,25 +142,27 @@ def check_gradients(
         variables: an eager tape refuses that (``UntrackedWriteError``).
       sources: As for ``numerical_gradient``: variables (their values before
         ``fn`` runs) and version handles from ``AssignAwareTape.versions``.
-      delta: The step of the central differences.
-      rtol: Relative tolerance.
-      atol: Absolute tolerance.
+      delta: The larger step of the differences; None: 1e-3 for 64-bit
+        variables, 1e-2 for 32- and 16-bit ones.
+      rtol: Extra relative tolerance, on top of the estimated one.
+      atol: Extra absolute tolerance, on top of the estimated one.
       compiled: Run the tape and ``fn`` inside one ``tf.function`` (traced
         afresh), instead of eagerly. The differences are always eager.
 
     Returns:
       ``(analytic, numeric)``: lists with one NumPy array per source (``None``
-      where the tape has no gradient) and one per source.
+      where the tape has no gradient) and one per source (the extrapolated
+      differences).
 
     Raises:
       AssertionError: a gradient differs; the message is a table with each
-        failing source's name, its largest absolute and relative errors, and
-        the index where the largest absolute error is.
+        failing source's name, its largest absolute and relative errors, the
+        index where the largest absolute error is, and the error allowed there.
       TypeError, ValueError: as ``numerical_gradient``.
 
     Example:
 
-    >>> a, c = tf.Variable(2.0, tf.float64), tf.Variable(0.0, tf.float64)
+    >>> a, c = tf.Variable(2.0, dtype=tf.float64), tf.Variable(0.0, dtype=tf.float64)
     >>> def fn():
     ...     _ = c.assign(a * a)
     ...     return c * 3.0
@@ -132,11 +175,12 @@ def check_gradients(
         analytic = _analytic(fn, resolved, compiled)
     finally:
         state.restore()
-    numeric = numerical_gradient(fn, sources, delta=delta)
-    rows = [r for r in (_row(s, a, n, rtol, atol) for s, a, n in zip(resolved, analytic, numeric)) if r is not None]
+    found = estimates(fn, resolved, state, delta)
+    tolerances = [allowed(s, e, a, rtol, atol) for s, e, a in zip(resolved, found, analytic)]
+    rows = [r for r in map(_row, resolved, analytic, found, tolerances) if r is not None]
     if rows:
         raise AssertionError(
-            f"AssignAwareTape gradients differ from finite differences (rtol={rtol}, atol={atol}, "
-            f"delta={delta}):\n" + mismatch_table(rows)
+            "AssignAwareTape gradients differ from finite differences by more than their estimated "
+            f"error (extra rtol={rtol}, atol={atol}, delta={delta}):\n" + mismatch_table(rows)
         )
-    return analytic, numeric
+    return analytic, [e.value for e in found]

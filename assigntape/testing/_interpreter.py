@@ -387,7 +387,12 @@ class AwareEvents:
 
     def __call__(self, event: str, flag: bool, temps: List[Any]) -> None:
         if event == "inner":
-            self.inner = (AssignAwareTape if flag else tf.GradientTape)(persistent=True)
+            if flag:
+                # An inner tape of ours cuts what the outer one cuts: the
+                # writes in tf.functions (else it would refuse them).
+                self.inner = AssignAwareTape(persistent=True, untracked_writes=self.tape._untracked_writes)
+            else:
+                self.inner = tf.GradientTape(persistent=True)
             self.inner.__enter__()
             self.inner.watch(self.params)
             self.store.tapes.append(self.inner)
@@ -433,11 +438,13 @@ class RewriteEvents:
             self.tape.watch(self.sources + self.params)
 
 
-def events_tape_run(program: "Program") -> Tuple[Any, Gradients, Optional[Gradients], List[Any]]:
+def events_tape_run(
+    program: "Program", untracked: str = "raise"
+) -> Tuple[Any, Gradients, Optional[Gradients], List[Any]]:
     """Loss, the tape's gradients, the inner tape's (if one opened) and the
     final values, of a program with events (ending with the tape entered)."""
     vars0, params0, variables, params = state(program)
-    tape = AssignAwareTape(persistent=True)
+    tape = AssignAwareTape(persistent=True, untracked_writes=untracked)
     store = VariableStore(variables, [tape])
     events = AwareEvents(tape, params, store)
     with tape:

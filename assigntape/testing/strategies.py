@@ -69,7 +69,8 @@ def programs(
       events: also tape events: an inner tape opened (plain or ours), the tape
         exited and entered again, ``reset()``. Eager only.
       function_writes: also writes inside ``tf.function``s, which the tape
-        cuts (``untracked_writes="cut"``). Eager only.
+        cuts (``untracked_writes="cut"``). Eager only. With ``events``, a
+        program may have both: its tapes, an inner one of ours too, cut them.
       keras_variables: make about a quarter of the real variables Keras 3 ones.
       stopped_writes: also writes under ``stop_recording``.
 
