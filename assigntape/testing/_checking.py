@@ -59,7 +59,8 @@ def allowed(source: Source, estimate: Estimate, analytic: Optional[np.ndarray], 
     # The gradient's scale: the larger of the two answers' largest entries.
     scale = max(float(np.max(numeric, initial=0.0)), float(np.nanmax(np.abs(analytic), initial=0.0)) if analytic is not None else 0.0)
     floor = _TAPE_ULPS * eps + (_LOW_PRECISION_FLOOR if eps > 1e-10 else 0.0)
-    return estimate.error + floor * scale + atol + rtol * numeric
+    bound: np.ndarray = estimate.error + floor * scale + atol + rtol * numeric
+    return bound
 
 
 def _row(source: Source, analytic: Optional[np.ndarray], estimate: Estimate, tolerance: np.ndarray) -> Optional[List[str]]:
