@@ -249,8 +249,8 @@ def _check_reads(on: bool) -> None:
     a handle no tape could name (``_with_unnamed``), and takes them off when
     none has. Called under ``_all_lock``."""
     if _serving:
-        for owner, name, original, wrapper in read_checks:
-            setattr(owner, name, wrapper if on else original)
+        for place in read_checks:
+            place.put(on)
 
 
 def serve_handles(on: bool) -> None:
@@ -329,10 +329,10 @@ IDLE_SECONDS = 0.05
 # taking it off leaves the instance's), and the eager short paths of a
 # variable's methods (``_short_paths``).
 served: List[Tuple[Any, str, Any, Any]] = []
-# (owner, attribute, original, wrapper) of the patches ``_patches`` puts in
+# The places (``_wrapping.Place``) of the patches ``_patches`` puts in
 # place only while ``_with_unnamed`` is not empty (``accessed``): every
 # variable read calls them, and until then they have nothing to do.
-read_checks: List[Tuple[Any, str, Any, Any]] = []
+read_checks: List[Any] = []
 
 
 def _seed_from_around(scope: Scope) -> None:
