@@ -80,6 +80,17 @@ def _op(snake: str) -> Callable[..., Any]:
     return op.__wrapped__ if isinstance(op, Wrapper) else op
 
 
+_GENERATED = vars(gen_resource_variable_ops)
+
+
+def _unwrapped(snake: str, op: Callable[..., Any]) -> bool:
+    """Whether TensorFlow's methods would call ``op`` for ``snake`` (through
+    our wrapper, or directly): no one else has wrapped or replaced the
+    generated function since, whose wrapper a short path would skip."""
+    found = _GENERATED[snake]
+    return found is op or (type(found) is Wrapper and found.__wrapped__ is op)
+
+
 def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     """``ResourceVariable.<name>`` (``assign``, ``assign_add``, ``assign_sub``)
     while a tape is open; ``method`` is TensorFlow's.
@@ -98,7 +109,7 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
 
     def write(self: Any, value: Any, use_locking: Any, name: Any, read_value: bool) -> Any:
         scope = _versions.short_path_scope(self) if enabled else None
-        if scope is None or ops.is_auto_dtype_conversion_enabled():
+        if scope is None or ops.is_auto_dtype_conversion_enabled() or not _unwrapped(snake, op):
             # (TensorFlow's method, in that mode, promotes the value's dtype first.)
             return method(self, value, use_locking, name, read_value)
         dtype = self._dtype
@@ -192,6 +203,10 @@ def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
     its layers.
     """
     read = _op("read_variable_op")
+    # TensorFlow's ``_read_variable_op``, or (wrapped before the first tape)
+    # nothing a class attribute could be: every read then goes the long way.
+    own: Any = resource_variable_ops.BaseResourceVariable._read_variable_op
+    own = own if is_tensorflows(own) else object()
 
     def value(self: Any) -> Any:
         d = self.__dict__
@@ -201,6 +216,11 @@ def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
             or d.get("_cached_value") is not None
             or d.get("_caching_device") is not None
             or d.get("_dtype") is _VARIANT
+            # What TensorFlow's method calls, wrapped or replaced by someone
+            # (on the class, on this variable, or the generated op): theirs must run.
+            or _RESOURCE_VARIABLE._read_variable_op is not own
+            or "_read_variable_op" in d
+            or _GENERATED["read_variable_op"] is not read
         ):
             return method(self)
         handle = _versions.serve_handle(scope, self, d)  # self._handle: the version, a first read's checks included

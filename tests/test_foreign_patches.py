@@ -38,12 +38,15 @@ def _plain_gradient(v: tf.Variable) -> Any:
 
 def _hypergradient() -> float:
     """d/da of y = v * v after v.assign(a * 3): by hand, 2 * (3a) * 3 = 18a = 36 at a = 2."""
-    a, v = tf.Variable(2.0), tf.Variable(1.0)
+    a, v = _VARIABLES
     with AssignAwareTape() as tape:
         v.assign(a * 3.0)
         v.assign_add(a * 0.0)  # through assign_add_variable_op too
         y = v * v
     return float(tape.gradient(y, a))
+
+
+_VARIABLES = (tf.Variable(2.0), tf.Variable(1.0))
 
 
 def _idle() -> None:
@@ -144,3 +147,97 @@ def test_a_patch_made_while_ours_is_off_is_wrapped_when_a_tape_opens(monkeypatch
     _idle()
     assigntape.uninstall()
     assert vars(grv)["assign_variable_op"] is original
+
+
+# Reads by the paths that end in ``ResourceVariable._read_variable_op``:
+# ``value()``, an operator, conversion, ``read_value()``.
+_READS = {
+    "value": lambda v: v.value(),
+    "operator": lambda v: v * 1.0,
+    "convert_to_tensor": lambda v: tf.convert_to_tensor(v),
+    "read_value": lambda v: v.read_value(),
+}
+
+
+def _counted_reads(read: Callable[[tf.Variable], Any], v: tf.Variable, calls: List[int]) -> List[int]:
+    """How many calls one read makes of the wrapper counting into ``calls``:
+    outside every tape, then inside one (after a write: a version is read)."""
+    counts = []
+    before = len(calls)
+    read(v)
+    counts.append(len(calls) - before)
+    a = _VARIABLES[0]
+    with AssignAwareTape() as tape:
+        v.assign(a * 3.0)
+        before = len(calls)
+        y = read(v)
+        counts.append(len(calls) - before)
+        y = y * y
+    # d/da (3a)^2 = 18a = 36 at a = 2: the read through their wrapper is still a version.
+    assert float(tape.gradient(y, a)) == 36.0
+    return counts
+
+
+@pytest.mark.parametrize("read", sorted(_READS))
+@pytest.mark.parametrize("where", ["class", "generated op", "instance"])
+def test_a_read_inside_a_tape_calls_what_tensorflow_would_call(where, read):
+    """Inside a tape, a read calls a wrapper of ``_read_variable_op`` (on
+    the class or the variable) or of the generated op as often as outside:
+    the short path is taken only where nothing was put in the way."""
+    from tensorflow.python.ops import resource_variable_ops as rvo
+
+    v = tf.Variable(1.0)
+    calls: List[int] = []
+
+    def counting(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+        calls.append(1)
+        return wrapped(*args, **kwargs)
+
+    if where == "instance":
+        own = v._read_variable_op
+
+        def read_variable_op(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            return own(*args, **kwargs)
+
+        v._read_variable_op = read_variable_op
+        assert _counted_reads(_READS[read], v, calls) == [1, 1]
+        return
+    owner, name = (rvo.BaseResourceVariable, "_read_variable_op") if where == "class" else (grv, "read_variable_op")
+    found = vars(owner)[name]
+    wrapt.wrap_function_wrapper(owner, name, counting)
+    try:
+        counts = _counted_reads(_READS[read], v, calls)
+    finally:
+        setattr(owner, name, found)
+    assert counts[0] >= 1 and counts[1] == counts[0], counts
+
+
+def test_a_read_wrapper_made_before_assigntape_is_imported_is_called_inside_a_tape():
+    import subprocess
+    import sys
+
+    code = """
+import wrapt
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops as rvo
+calls = []
+def counting(wrapped, instance, args, kwargs):
+    calls.append(1)
+    return wrapped(*args, **kwargs)
+wrapt.wrap_function_wrapper(rvo.BaseResourceVariable, "_read_variable_op", counting)
+import assigntape
+a, v = tf.Variable(2.0), tf.Variable(1.0)
+v * 1.0
+outside = len(calls)
+with assigntape.AssignAwareTape() as tape:
+    v.assign(a * 3.0)
+    before = len(calls)
+    y = v * 1.0
+    inside = len(calls) - before
+    y = y * y
+print(outside, inside, float(tape.gradient(y, a)))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-3:] == ["1", "1", "36.0"]  # d/da (3a)^2 = 18a
