@@ -1397,6 +1397,26 @@ def canonical_handle(var: Any) -> Any:
     return var.__dict__["_handle"]
 
 
+def watched_in_order(found: Sequence[Any]) -> Tuple[Any, ...]:
+    """What a tape's ``watched_variables()`` lists, from TensorFlow's own
+    answer ``found``: each variable once, however many of its versions were
+    read, in TensorFlow's order. TensorFlow's tape keeps the variables in a
+    set ordered by the id of the handle each was watched through: with no
+    writes, the variable's own handle (made when it was created), but a
+    version's handle is made when it is written, so after writes the order
+    would follow the writes. Ordered by the variables' own handles instead,
+    as with no writes (code zips the list with another: TensorFlow
+    Probability's minimize carries it through a ``tf.cond``)."""
+    unique: Dict[Any, Any] = {}
+    for var in found:
+        unique.setdefault(getattr(var, "_unique_id", None) or id(var), var)
+    listed = tuple(unique.values())
+    ids = [getattr(var.__dict__.get("_handle"), "_id", None) for var in listed]
+    if None in ids:
+        return listed  # (a variable with no handle of its own: TensorFlow's order kept)
+    return tuple(var for _, var in sorted(zip(ids, listed), key=lambda pair: pair[0]))
+
+
 _RESOURCE_VARIABLE = resource_variable_ops.ResourceVariable
 
 # Where wrappers keep the variable they delegate to: Keras 3's ``Variable``
