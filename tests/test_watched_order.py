@@ -88,7 +88,8 @@ def test_a_plain_tape_in_a_compiled_loop_body_that_writes_two_variables_lists_th
     assert listed and all(names == ["w:0", "b:0"] for names in listed), listed
 
 
-def test_tfp_minimize_compiled_gives_the_hand_written_loops_hypergradient(monkeypatch):
+@pytest.mark.parametrize("xla", [False, True], ids=["graph", "xla"])
+def test_tfp_minimize_compiled_gives_the_hand_written_loops_hypergradient(xla, monkeypatch):
     """``tfp.math.minimize``'s loop, compiled in the function where the tape
     is open: the hypergradient of the final loss with respect to the
     learning rate equals the assignment-free rewrite's (the same steps on
@@ -114,7 +115,7 @@ def test_tfp_minimize_compiled_gives_the_hand_written_loops_hypergradient(monkey
 
     optimizer = keras.optimizers.SGD(learning_rate=lambda: lr)
 
-    @tf.function
+    @tf.function(jit_compile=xla)
     def meta() -> Any:
         with AssignAwareTape() as tape:
             tfp.math.minimize(lambda: loss_of(w, b), num_steps=steps, optimizer=optimizer, trainable_variables=[w, b])

@@ -152,3 +152,41 @@ print("returned")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "returned" not in done.stdout
+
+
+def _compiled_outcome(op: str, kind: str, dtype: Any, tape: bool) -> Any:
+    """``_outcome`` in a ``tf.function`` (the tape, if any, opened inside
+    it): the exception type, or None, and the variable's value after the
+    call. (TensorFlow raises when the function runs: a failed write fails
+    the whole function, the tape's gradient included.)"""
+    call, n = OPS[op]
+    v = tf.Variable(tf.constant([1.0, 2.0, 3.0], dtype), name="written")
+    slot = tf.Variable(tf.ones([3], dtype), name="slot")
+    value = _vector(kind, n, dtype)
+
+    @tf.function
+    def program() -> Any:
+        if not tape:
+            call(v, slot, value)
+            return tf.constant(0.0)
+        with AssignAwareTape() as t:
+            t.watch(v)
+            call(v, slot, value)
+            y = tf.reduce_sum(v * v)
+        return t.gradient(y, v, unconnected_gradients="zero")
+
+    try:
+        program()
+    except Exception as error:  # the type is the outcome
+        return type(error), v.numpy().tolist()
+    return None, v.numpy().tolist()
+
+
+_COMPILED = ["AssignVariableOp", "AssignAddVariableOp", "ResourceScatterUpdate", "ResourceStridedSliceAssign"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("op", _COMPILED)
+def test_a_write_op_in_a_tapes_function_takes_its_value_as_tensorflow_does(op, kind):
+    dtype = tf.float64  # (Python floats convert to float32: another dtype)
+    assert _compiled_outcome(op, kind, dtype, tape=True) == _compiled_outcome(op, kind, dtype, tape=False)
