@@ -81,6 +81,28 @@ def _op(snake: str) -> Callable[..., Any]:
 
 
 _GENERATED = vars(gen_resource_variable_ops)
+_VARIABLE_OPS = vars(resource_variable_ops)
+
+
+def _tensorflows_or_nothing(function: Any) -> Any:
+    """``function`` if it is TensorFlow's own, else (someone wrapped it
+    before assigntape was imported) an object nothing found later is: the
+    short paths that skip it are then never taken."""
+    return function if is_tensorflows(function) else object()
+
+
+# What TensorFlow's read and write methods call besides the op: whether a
+# variable is watched, and (writes) the lazy read they return.
+_ACCESSED = _tensorflows_or_nothing(resource_variable_ops.variable_accessed)
+_LAZY_READ = _tensorflows_or_nothing(resource_variable_ops.BaseResourceVariable._lazy_read)
+_READ_OP = _tensorflows_or_nothing(resource_variable_ops.BaseResourceVariable._read_variable_op)
+
+
+def _nothing_in_the_way(d: Dict[str, Any], method: str, own: Any) -> bool:
+    """Whether a variable's ``<method>`` (``d``: its ``__dict__``) and the module's ``variable_accessed``, which
+    TensorFlow's method calls, are TensorFlow's own: not wrapped or replaced
+    on the class, not overridden on this variable."""
+    return _VARIABLE_OPS["variable_accessed"] is _ACCESSED and getattr(_RESOURCE_VARIABLE, method) is own and method not in d
 
 
 def _unwrapped(snake: str, op: Callable[..., Any]) -> bool:
@@ -109,8 +131,12 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
 
     def write(self: Any, value: Any, use_locking: Any, name: Any, read_value: bool) -> Any:
         scope = _versions.short_path_scope(self) if enabled else None
-        if scope is None or ops.is_auto_dtype_conversion_enabled() or not _unwrapped(snake, op):
-            # (TensorFlow's method, in that mode, promotes the value's dtype first.)
+        if (
+            scope is None
+            or ops.is_auto_dtype_conversion_enabled()  # (TensorFlow's method then promotes the value's dtype first)
+            or not _unwrapped(snake, op)
+            or (read_value and not _nothing_in_the_way(self.__dict__, "_lazy_read", _LAZY_READ))
+        ):
             return method(self, value, use_locking, name, read_value)
         dtype = self._dtype
         if type(value) is not _EAGER_TENSOR or value.dtype is not dtype:  # (dtypes are interned)
@@ -203,10 +229,6 @@ def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
     its layers.
     """
     read = _op("read_variable_op")
-    # TensorFlow's ``_read_variable_op``, or (wrapped before the first tape)
-    # nothing a class attribute could be: every read then goes the long way.
-    own: Any = resource_variable_ops.BaseResourceVariable._read_variable_op
-    own = own if is_tensorflows(own) else object()
 
     def value(self: Any) -> Any:
         d = self.__dict__
@@ -218,8 +240,7 @@ def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
             or d.get("_dtype") is _VARIANT
             # What TensorFlow's method calls, wrapped or replaced by someone
             # (on the class, on this variable, or the generated op): theirs must run.
-            or _RESOURCE_VARIABLE._read_variable_op is not own
-            or "_read_variable_op" in d
+            or not _nothing_in_the_way(d, "_read_variable_op", _READ_OP)
             or _GENERATED["read_variable_op"] is not read
         ):
             return method(self)

@@ -179,7 +179,7 @@ def _counted_reads(read: Callable[[tf.Variable], Any], v: tf.Variable, calls: Li
 
 
 @pytest.mark.parametrize("read", sorted(_READS))
-@pytest.mark.parametrize("where", ["class", "generated op", "instance"])
+@pytest.mark.parametrize("where", ["class", "generated op", "instance", "variable_accessed"])
 def test_a_read_inside_a_tape_calls_what_tensorflow_would_call(where, read):
     """Inside a tape, a read calls a wrapper of ``_read_variable_op`` (on
     the class or the variable) or of the generated op as often as outside:
@@ -203,7 +203,11 @@ def test_a_read_inside_a_tape_calls_what_tensorflow_would_call(where, read):
         v._read_variable_op = read_variable_op
         assert _counted_reads(_READS[read], v, calls) == [1, 1]
         return
-    owner, name = (rvo.BaseResourceVariable, "_read_variable_op") if where == "class" else (grv, "read_variable_op")
+    owner, name = {
+        "class": (rvo.BaseResourceVariable, "_read_variable_op"),
+        "generated op": (grv, "read_variable_op"),
+        "variable_accessed": (rvo, "variable_accessed"),
+    }[where]
     found = vars(owner)[name]
     wrapt.wrap_function_wrapper(owner, name, counting)
     try:
@@ -241,3 +245,58 @@ print(outside, inside, float(tape.gradient(y, a)))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-3:] == ["1", "1", "36.0"]  # d/da (3a)^2 = 18a
+
+
+@pytest.mark.parametrize("method", ["assign", "assign_add", "assign_sub"])
+@pytest.mark.parametrize("where", ["_lazy_read", "instance _lazy_read", "variable_accessed", "generated op"])
+def test_a_write_method_inside_a_tape_calls_what_tensorflow_would_call(where, method):
+    """As for reads: a write method's short path skips nothing someone put
+    in TensorFlow's method's way (what it returns is read lazily)."""
+    from tensorflow.python.ops import resource_variable_ops as rvo
+
+    a, v = _VARIABLES[0], tf.Variable(1.0)
+    calls: List[int] = []
+
+    def counting(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+        calls.append(1)
+        return wrapped(*args, **kwargs)
+
+    def counts() -> List[int]:
+        found = []
+        before = len(calls)
+        getattr(v, method)(1.0)
+        found.append(len(calls) - before)
+        v.assign(1.0)
+        with AssignAwareTape() as tape:
+            x = a * 3.0
+            before = len(calls)
+            getattr(v, method)(x)
+            found.append(len(calls) - before)
+            y = v * v
+        # v = 3a (assign), 1 + 3a (assign_add), 1 - 3a (assign_sub); dy/da = 2 v * dv/da.
+        sign = -1.0 if method == "assign_sub" else 1.0
+        assert float(tape.gradient(y, a)) == pytest.approx(2.0 * float(v) * 3.0 * sign)
+        return found
+
+    if where == "instance _lazy_read":
+        own = v._lazy_read
+
+        def lazy_read(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            return own(*args, **kwargs)
+
+        v._lazy_read = lazy_read
+        assert counts() == [1, 1]
+        return
+    owner, name = {
+        "_lazy_read": (rvo.BaseResourceVariable, "_lazy_read"),
+        "variable_accessed": (rvo, "variable_accessed"),
+        "generated op": (grv, {"assign": "assign_variable_op"}.get(method, f"{method}_variable_op")),
+    }[where]
+    found = vars(owner)[name]
+    wrapt.wrap_function_wrapper(owner, name, counting)
+    try:
+        got = counts()
+    finally:
+        setattr(owner, name, found)
+    assert got[0] >= 1 and got[1] == got[0], got
