@@ -23,6 +23,8 @@ import tensorflow as tf
 
 from assigntape import AssignAwareTape
 
+from oracle import modes, run
+
 
 def _names(tape: Any) -> List[str]:
     return [v.name for v in tape.watched_variables()]
@@ -32,20 +34,28 @@ def _reads_b_then_w(w: tf.Variable, b: tf.Variable) -> Any:
     return b * 2.0 + w * 3.0
 
 
-def test_a_plain_tape_and_ours_list_in_tensorflows_order_after_writes_eagerly():
+@modes
+def test_a_plain_tape_and_ours_list_in_tensorflows_order_after_writes(mode):
     w, b = tf.Variable(1.0, name="w"), tf.Variable(2.0, name="b")
-    with tf.GradientTape() as plain:
-        _reads_b_then_w(w, b)
-    expected = _names(plain)
-    assert expected == ["w:0", "b:0"]  # TensorFlow's: by handle, not by first read
-    with AssignAwareTape() as ours:
-        b.assign(b * 0.5)  # b's version is made before w's
-        w.assign(w * 0.5)
-        with tf.GradientTape() as inner:
+    listed = {}
+
+    def program() -> Any:
+        with tf.GradientTape() as plain:
             _reads_b_then_w(w, b)
-        _reads_b_then_w(w, b)
-    assert _names(inner) == expected
-    assert _names(ours) == expected
+        listed["plain"] = _names(plain)
+        with AssignAwareTape() as ours:
+            b.assign(b * 0.5)  # b's version is made before w's
+            w.assign(w * 0.5)
+            with tf.GradientTape() as inner:
+                _reads_b_then_w(w, b)
+            _reads_b_then_w(w, b)
+        listed["inner"], listed["ours"] = _names(inner), _names(ours)
+        return w + b
+
+    run(mode, program)
+    assert listed["plain"] == ["w:0", "b:0"]  # TensorFlow's: by handle, not by first read
+    assert listed["inner"] == listed["plain"]
+    assert listed["ours"] == listed["plain"]
 
 
 def _loop_program(aware: bool) -> Callable[[], Any]:
