@@ -62,6 +62,39 @@ def _remove(owner: Any, name: str, theirs: Any) -> None:
     assigntape.uninstall()
 
 
+def _counter(calls: List[int]) -> Callable[..., Any]:
+    """A wrapt wrapper that counts its calls into ``calls``."""
+
+    def counting(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+        calls.append(1)
+        return wrapped(*args, **kwargs)
+
+    return counting
+
+
+def _counted_within(owner: Any, name: str, calls: List[int], count: Callable[[], List[int]]) -> List[int]:
+    """``count()`` with ``owner.name`` wrapped by a counter (or, for a
+    variable ``owner``, overridden on the instance), then put back."""
+    if isinstance(owner, tf.Variable):
+        own = getattr(owner, name)
+
+        def override(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            return own(*args, **kwargs)
+
+        setattr(owner, name, override)
+        try:
+            return count()
+        finally:
+            delattr(owner, name)
+    found = vars(owner)[name]
+    wrapt.wrap_function_wrapper(owner, name, _counter(calls))
+    try:
+        return count()
+    finally:
+        setattr(owner, name, found)
+
+
 @pytest.mark.parametrize("place", sorted(_PLACES))
 def test_a_wrapt_patch_made_after_the_first_tape_stays_through_switches_and_uninstall(place, monkeypatch):
     owner, name, call = _PLACES[place]
@@ -69,12 +102,7 @@ def test_a_wrapt_patch_made_after_the_first_tape_stays_through_switches_and_unin
     v = tf.Variable(1.0)
     assert _hypergradient() == 36.0  # the first tape installs the patches
     calls: List[int] = []
-
-    def counting(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-        calls.append(1)
-        return wrapped(*args, **kwargs)
-
-    wrapt.wrap_function_wrapper(owner, name, counting)
+    wrapt.wrap_function_wrapper(owner, name, _counter(calls))
     theirs = vars(owner)[name]
     try:
         for cycle in range(3):
@@ -188,32 +216,13 @@ def test_a_read_inside_a_tape_calls_what_tensorflow_would_call(where, read):
 
     v = tf.Variable(1.0)
     calls: List[int] = []
-
-    def counting(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-        calls.append(1)
-        return wrapped(*args, **kwargs)
-
-    if where == "instance":
-        own = v._read_variable_op
-
-        def read_variable_op(*args: Any, **kwargs: Any) -> Any:
-            calls.append(1)
-            return own(*args, **kwargs)
-
-        v._read_variable_op = read_variable_op
-        assert _counted_reads(_READS[read], v, calls) == [1, 1]
-        return
     owner, name = {
+        "instance": (v, "_read_variable_op"),
         "class": (rvo.BaseResourceVariable, "_read_variable_op"),
         "generated op": (grv, "read_variable_op"),
         "variable_accessed": (rvo, "variable_accessed"),
     }[where]
-    found = vars(owner)[name]
-    wrapt.wrap_function_wrapper(owner, name, counting)
-    try:
-        counts = _counted_reads(_READS[read], v, calls)
-    finally:
-        setattr(owner, name, found)
+    counts = _counted_within(owner, name, calls, lambda: _counted_reads(_READS[read], v, calls))
     assert counts[0] >= 1 and counts[1] == counts[0], counts
 
 
@@ -257,10 +266,6 @@ def test_a_write_method_inside_a_tape_calls_what_tensorflow_would_call(where, me
     a, v = _VARIABLES[0], tf.Variable(1.0)
     calls: List[int] = []
 
-    def counting(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-        calls.append(1)
-        return wrapped(*args, **kwargs)
-
     def counts() -> List[int]:
         found = []
         before = len(calls)
@@ -278,25 +283,11 @@ def test_a_write_method_inside_a_tape_calls_what_tensorflow_would_call(where, me
         assert float(tape.gradient(y, a)) == pytest.approx(2.0 * float(v) * 3.0 * sign)
         return found
 
-    if where == "instance _lazy_read":
-        own = v._lazy_read
-
-        def lazy_read(*args: Any, **kwargs: Any) -> Any:
-            calls.append(1)
-            return own(*args, **kwargs)
-
-        v._lazy_read = lazy_read
-        assert counts() == [1, 1]
-        return
     owner, name = {
+        "instance _lazy_read": (v, "_lazy_read"),
         "_lazy_read": (rvo.BaseResourceVariable, "_lazy_read"),
         "variable_accessed": (rvo, "variable_accessed"),
         "generated op": (grv, {"assign": "assign_variable_op"}.get(method, f"{method}_variable_op")),
     }[where]
-    found = vars(owner)[name]
-    wrapt.wrap_function_wrapper(owner, name, counting)
-    try:
-        got = counts()
-    finally:
-        setattr(owner, name, found)
+    got = _counted_within(owner, name, calls, counts)
     assert got[0] >= 1 and got[1] == got[0], got
