@@ -16,6 +16,7 @@ from assigntape._errors import (
     DuplicateIndicesError,
     NotAVariableError,
     UntrackedWriteError,
+    WriteDtypeError,
 )
 from assigntape._diagnostics import Explanation, History, Reason
 from assigntape._tape import AssignAwareTape
@@ -40,5 +41,6 @@ __all__ = [
     "NotAVariableError",
     "Reason",
     "UntrackedWriteError",
+    "WriteDtypeError",
     "uninstall",
 ]

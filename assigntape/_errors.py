@@ -13,6 +13,7 @@ __all__ = [
     "DuplicateIndicesError",
     "NotAVariableError",
     "UntrackedWriteError",
+    "WriteDtypeError",
 ]
 
 
@@ -68,4 +69,17 @@ class UntrackedWriteError(AssignTapeError, RuntimeError):
     would be silently wrong, so the tape refuses. Pass
     ``AssignAwareTape(untracked_writes="cut")`` to treat the write as a new
     version with no gradient path instead (with a warning).
+    """
+
+
+class WriteDtypeError(AssignTapeError, TypeError):
+    """A write op whose kernel aborts the process on a value of another
+    dtype than the variable's was given one: a fused optimizer kernel
+    (``tf.raw_ops.ResourceApply*``), or ``ResourceScatterNd*``.
+
+    Outside a tape TensorFlow 2.21 raises ``TypeError`` where such a fused
+    kernel's inputs do not convert to one dtype, and where they do, the
+    kernel aborts the process. Inside a tape either is this error, raised
+    before anything is written. Give the values as tensors of the
+    variable's dtype.
     """

@@ -56,13 +56,13 @@ from assigntape._tf import (
 )
 
 from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _jvp, _leases, _plain_tapes, _rules, _short_paths, _versions, _writes
-from assigntape._wrapping import Wrapper, patch
+from assigntape._wrapping import Place, Wrapper, patch
 
 __all__ = ["acquire", "follow_plain_tapes", "installed", "refuse_unfollowed_recorders", "release", "remove_unused", "uninstall"]
 
-_ABSENT = object()
 _installed = False
-_saved: List[Tuple[Any, str, Any]] = []
+# The places of the attribute patches in place (or, for the read checks, ready).
+_saved: List[Place] = []
 
 _GEN_MODULES = (gen_resource_variable_ops, gen_state_ops, gen_array_ops, gen_training_ops)
 
@@ -155,23 +155,29 @@ _RAW_READS = ("ReadVariableOp", "ResourceGather", "ResourceGatherNd")
 # Built on first use and kept, grouped by the module that holds them, so that
 # installing is one dict update per module.
 class _Group:
-    __slots__ = ("owner", "names", "originals", "wrappers", "get")
+    __slots__ = ("owner", "places", "get")
 
     def __init__(self, owner: Any) -> None:
         self.owner = owner
-        self.names: List[str] = []
-        self.originals: Dict[str, Any] = {}
-        self.wrappers: Dict[str, Any] = {}
+        self.places: List[Place] = []
         self.get: Any = None
 
     def add(self, name: str, wrapper: Callable[..., Any]) -> None:
-        original = vars(self.owner)[name]
-        self.names.append(name)
-        self.originals[name] = original
-        self.wrappers[name] = Wrapper(original, wrapper)
-        self.get = operator.itemgetter(*self.names)
+        self.places.append(Place(self.owner, name, lambda below: Wrapper(below, wrapper)))
+        self.get = operator.itemgetter(*(place.name for place in self.places))
 
-    def put(self, functions: Dict[str, Any]) -> None:
+    def put(self, on: bool) -> None:
+        """Each place's wrapper (``on``) or what it wraps: at once where every
+        place holds what ours expects, else place by place (``Place.put``:
+        another library patched some of them since)."""
+        current = self.get(vars(self.owner))
+        current = current if len(self.places) > 1 else (current,)
+        expected = [place.below if on else place.wrapper for place in self.places]
+        if not all(map(operator.is_, current, expected)):
+            for place in self.places:
+                place.put(on)
+            return
+        functions = {place.name: place.wrapper if on else place.below for place in self.places}
         if hasattr(self.owner, "_fastdict_insert"):
             # tf.compat.v1.raw_ops is a TFModuleWrapper, whose attribute lookup
             # answers from a cache of its own before the instance dict: set
@@ -180,11 +186,6 @@ class _Group:
                 setattr(self.owner, name, function)
         else:
             vars(self.owner).update(functions)
-
-    def unchanged(self) -> bool:
-        current = self.get(vars(self.owner))
-        current = current if len(self.names) > 1 else (current,)
-        return all(map(operator.is_, current, self.originals.values()))
 
 
 _groups: List[_Group] = []
@@ -332,48 +333,49 @@ _SWITCHED = (_plain_tapes.gradient,)
 # name: every variable read calls them (``_versions.read_checks``).
 _READ_CHECKS = (_versions.accessed,)
 
-# (id(owner), attribute) -> the Wrapper built for the original found there.
-_attribute_wrappers: Dict[Tuple[int, str], Any] = {}
+# (id(owner), attribute) -> the place of the patch there.
+_places: Dict[Tuple[int, str], Place] = {}
+
+
+def _maker(owner: Any, function: Callable[..., Any]) -> Callable[[Any], Any]:
+    """What builds the patch that calls ``function`` around what is found on ``owner``."""
+    if function in _METHODS:
+        return _METHODS[function]
+    plain = function in _ALWAYS_ON or function in _SWITCHED or function in _READ_CHECKS
+    active = function if plain else _dormant(function)
+    return lambda below: patch(owner, below, active, _PASSES.get(function))
 
 
 def _put(owner: Any, name: str, function: Callable[..., Any]) -> None:
     """Wraps ``owner.name`` with ``function`` (unless it is wrapped already)."""
-    original = vars(owner)[name]
-    wrapper = _attribute_wrappers.get((id(owner), name))
-    if wrapper is not None and original is wrapper:
+    place = _places.get((id(owner), name))
+    if place is None:
+        place = _places[(id(owner), name)] = Place(owner, name, _maker(owner, function))
+    elif place in _saved:
         return  # a follower, in place since import
-    if wrapper is None or wrapper.__wrapped__ is not original:
-        if function in _METHODS:
-            wrapper = _METHODS[function](original)
-        else:
-            plain = function in _ALWAYS_ON or function in _SWITCHED or function in _READ_CHECKS
-            active = function if plain else _dormant(function)
-            wrapper = patch(owner, original, active, _PASSES.get(function))
-        _attribute_wrappers[(id(owner), name)] = wrapper
-    _saved.append((owner, name, original))
+    _saved.append(place)
     if function in _READ_CHECKS:
         # Put in place (and taken off) by ``_versions``, when there is something to check.
-        _versions.read_checks.append((owner, name, original, wrapper))
+        _versions.read_checks.append(place)
         return
-    setattr(owner, name, wrapper)
+    place.put(True)
     if function not in _ALWAYS_ON:
-        _versions.switches.append(lambda on: setattr(owner, name, wrapper if on else original))
+        _versions.switches.append(place.put)
 
 
 def _install() -> None:
-    if not _groups or not all(group.unchanged() for group in _groups):
-        # First use, or someone else re-bound an op since: wrap what is there now.
-        _build_wrappers()
+    if not _groups:
+        _build_wrappers()  # first use
     for owner, name, function in _attribute_patches():
         _put(owner, name, function)
     _serve_short_paths()
     _versions.serve_handles(True)
     _jvp.register(True)
     for group in _groups:
-        group.put(group.wrappers)
+        group.put(True)
         if not hasattr(group.owner, "_fastdict_insert"):
             # (tf.compat.v1.raw_ops, slow to set, keeps its dormant wrappers.)
-            _versions.switches.append(lambda on, group=group: group.put(group.wrappers if on else group.originals))
+            _versions.switches.append(group.put)
 
 
 def _serve_short_paths() -> None:
@@ -432,14 +434,13 @@ def refuse_unfollowed_recorders() -> None:
 def _uninstall() -> None:
     _versions.serve_handles(False)
     _jvp.register(False)
+    # Only what is still ours: a patch made around ours since stays, ours
+    # (dormant: TensorFlow's own runs at once) inside it, found there again
+    # by the next install (``Place``).
     for group in _groups:
-        group.put(group.originals)
+        group.put(False)
     while _saved:
-        owner, name, original = _saved.pop()
-        if original is _ABSENT:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, original)
+        _saved.pop().put(False)
 
 
 def acquire() -> None:
@@ -519,5 +520,5 @@ def patched_places() -> List[Tuple[Any, str]]:
         + [(resource_variable_ops.ResourceVariable, name) for name in _short_paths.METHODS]
         + [(ops, "convert_to_tensor")]
         + [(owner, name) for owner, name, _ in _attribute_patches()]
-        + [(group.owner, name) for group in _groups for name in group.names]
+        + [(group.owner, place.name) for group in _groups for place in group.places]
     )

@@ -492,12 +492,12 @@ def _mapped_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwar
 
 
 def watched_variables(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``GradientTape.watched_variables``: each variable once. TensorFlow keeps
-    them by the id of the handle they were read through, so a variable read
-    through two of its versions would be listed twice."""
+    """``GradientTape.watched_variables``: each variable once, in
+    TensorFlow's order (``_versions.watched_in_order``)."""
     found = wrapped(*args, **kwargs)
-    unique = tuple({id(var): var for var in found}.values())
-    return unique if len(unique) < len(found) else found
+    listed = _versions.watched_in_order(found)
+    same = len(listed) == len(found) and all(a is b for a, b in zip(listed, found))
+    return found if same else listed  # (TensorFlow's own tuple where nothing changed)
 
 
 def jacobian(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:

@@ -80,6 +80,39 @@ def _op(snake: str) -> Callable[..., Any]:
     return op.__wrapped__ if isinstance(op, Wrapper) else op
 
 
+_GENERATED = vars(gen_resource_variable_ops)
+_VARIABLE_OPS = vars(resource_variable_ops)
+
+
+def _tensorflows_or_nothing(function: Any) -> Any:
+    """``function`` if it is TensorFlow's own, else (someone wrapped it
+    before assigntape was imported) an object nothing found later is: the
+    short paths that skip it are then never taken."""
+    return function if is_tensorflows(function) else object()
+
+
+# What TensorFlow's read and write methods call besides the op: whether a
+# variable is watched, and (writes) the lazy read they return.
+_ACCESSED = _tensorflows_or_nothing(resource_variable_ops.variable_accessed)
+_LAZY_READ = _tensorflows_or_nothing(resource_variable_ops.BaseResourceVariable._lazy_read)
+_READ_OP = _tensorflows_or_nothing(resource_variable_ops.BaseResourceVariable._read_variable_op)
+
+
+def _nothing_in_the_way(d: Dict[str, Any], method: str, own: Any) -> bool:
+    """Whether a variable's ``<method>`` (``d``: its ``__dict__``) and the module's ``variable_accessed``, which
+    TensorFlow's method calls, are TensorFlow's own: not wrapped or replaced
+    on the class, not overridden on this variable."""
+    return _VARIABLE_OPS["variable_accessed"] is _ACCESSED and getattr(_RESOURCE_VARIABLE, method) is own and method not in d
+
+
+def _unwrapped(snake: str, op: Callable[..., Any]) -> bool:
+    """Whether TensorFlow's methods would call ``op`` for ``snake`` (through
+    our wrapper, or directly): no one else has wrapped or replaced the
+    generated function since, whose wrapper a short path would skip."""
+    found = _GENERATED[snake]
+    return found is op or (type(found) is Wrapper and found.__wrapped__ is op)
+
+
 def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     """``ResourceVariable.<name>`` (``assign``, ``assign_add``, ``assign_sub``)
     while a tape is open; ``method`` is TensorFlow's.
@@ -98,8 +131,12 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
 
     def write(self: Any, value: Any, use_locking: Any, name: Any, read_value: bool) -> Any:
         scope = _versions.short_path_scope(self) if enabled else None
-        if scope is None or ops.is_auto_dtype_conversion_enabled():
-            # (TensorFlow's method, in that mode, promotes the value's dtype first.)
+        if (
+            scope is None
+            or ops.is_auto_dtype_conversion_enabled()  # (TensorFlow's method then promotes the value's dtype first)
+            or not _unwrapped(snake, op)
+            or (read_value and not _nothing_in_the_way(self.__dict__, "_lazy_read", _LAZY_READ))
+        ):
             return method(self, value, use_locking, name, read_value)
         dtype = self._dtype
         if type(value) is not _EAGER_TENSOR or value.dtype is not dtype:  # (dtypes are interned)
@@ -202,6 +239,10 @@ def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
             or d.get("_cached_value") is not None
             or d.get("_caching_device") is not None
             or d.get("_dtype") is _VARIANT
+            # What TensorFlow's method calls, wrapped or replaced by someone
+            # (on the class, on this variable, or the generated op): theirs must run.
+            or not _nothing_in_the_way(d, "_read_variable_op", _READ_OP)
+            or _GENERATED["read_variable_op"] is not read
         ):
             return method(self)
         handle = _versions.serve_handle(scope, self, d)  # self._handle: the version, a first read's checks included

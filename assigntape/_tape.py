@@ -197,11 +197,8 @@ class AssignAwareTape(tf.GradientTape):
 
     def watched_variables(self) -> Tuple[Any, ...]:
         """The variables the tape watches, as ``tf.GradientTape.watched_variables``:
-        each once, however many versions of it were read."""
-        seen: Dict[Any, Any] = {}
-        for var in super().watched_variables():
-            seen.setdefault(getattr(var, "_unique_id", None) or id(var), var)
-        return tuple(seen.values())
+        each once, however many versions of it were read, in TensorFlow's order."""
+        return _versions.watched_in_order(super().watched_variables())
 
     def _watched(self, var: Any) -> bool:
         return any(_as_tf_variable(w) is var for w in self.watched_variables())

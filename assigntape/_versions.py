@@ -249,8 +249,8 @@ def _check_reads(on: bool) -> None:
     a handle no tape could name (``_with_unnamed``), and takes them off when
     none has. Called under ``_all_lock``."""
     if _serving:
-        for owner, name, original, wrapper in read_checks:
-            setattr(owner, name, wrapper if on else original)
+        for place in read_checks:
+            place.put(on)
 
 
 def serve_handles(on: bool) -> None:
@@ -329,10 +329,10 @@ IDLE_SECONDS = 0.05
 # taking it off leaves the instance's), and the eager short paths of a
 # variable's methods (``_short_paths``).
 served: List[Tuple[Any, str, Any, Any]] = []
-# (owner, attribute, original, wrapper) of the patches ``_patches`` puts in
+# The places (``_wrapping.Place``) of the patches ``_patches`` puts in
 # place only while ``_with_unnamed`` is not empty (``accessed``): every
 # variable read calls them, and until then they have nothing to do.
-read_checks: List[Tuple[Any, str, Any, Any]] = []
+read_checks: List[Any] = []
 
 
 def _seed_from_around(scope: Scope) -> None:
@@ -1396,6 +1396,27 @@ def canonical_handle(var: Any) -> Any:
     """The variable's own handle, whatever version is current (``var`` as
     ``resolve`` returns it)."""
     return var.__dict__["_handle"]
+
+
+def watched_in_order(found: Sequence[Any]) -> Tuple[Any, ...]:
+    """What a tape's ``watched_variables()`` lists, from TensorFlow's own
+    answer ``found``: each variable once, however many of its versions were
+    read, in TensorFlow's order. TensorFlow's tape keeps the variables in a
+    set ordered by the id of the handle each was watched through: with no
+    writes, the variable's own handle (made when it was created), but a
+    version's handle is made when it is written, so after writes the order
+    would follow the writes. Ordered by the variables' own handles instead,
+    as with no writes (code zips the list with another: TensorFlow
+    Probability's minimize carries it through a ``tf.cond``)."""
+    unique: Dict[Any, Any] = {}
+    for var in found:
+        unique.setdefault(getattr(var, "_unique_id", None) or id(var), var)
+    listed = tuple(unique.values())
+    ids: List[Any] = [getattr(var.__dict__.get("_handle"), "_id", None) for var in listed]
+    if None in ids:
+        return listed  # (a variable with no handle of its own: TensorFlow's order kept)
+    order: List[int] = sorted(range(len(listed)), key=ids.__getitem__)
+    return tuple(listed[i] for i in order)
 
 
 _RESOURCE_VARIABLE = resource_variable_ops.ResourceVariable

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import wrapt
 
-__all__ = ["Wrapper", "bind", "binds", "like", "params_of", "patch"]
+__all__ = ["Place", "Wrapper", "bind", "binds", "holds", "like", "params_of", "patch"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -79,6 +79,73 @@ def like(method: _F, original: Any, function: Callable[..., Any]) -> _F:
     # As Wrapper's class attribute: AutoGraph calls it unconverted.
     marked.autograph_info__ = {}
     return method
+
+
+# How many layers of other patches around ours ``holds`` looks through.
+_DEPTH = 64
+
+
+def holds(current: Any, wrapper: Any) -> bool:
+    """Whether ``current`` is ``wrapper``, or a patch another library made
+    around it later (wrapt's or functools' ``__wrapped__``, a mock's
+    ``wraps``), through which ours still runs."""
+    for _ in range(_DEPTH):
+        if current is wrapper:
+            return True
+        try:
+            # (A Mock answers any attribute but dunders; its ``wraps`` is kept as ``_mock_wraps``.)
+            inner = getattr(current, "__wrapped__", None)
+            if inner is None:
+                inner = getattr(current, "_mock_wraps", None)
+        except Exception:  # an attribute lookup of someone else's object may raise anything
+            return False
+        if inner is None or inner is current:
+            return False
+        current = inner
+    return False
+
+
+class Place:
+    """One attribute a patch replaces, ``owner.name``: the wrapper put there
+    and what it wraps (``below``), which ``make(below)`` built it around.
+
+    Putting it on and off (the dormant switches, ``uninstall``) touches the
+    attribute only where it still holds what this place put there, so it
+    composes with patches other libraries make after ours: one made around
+    ours (wrapt, ``mock.patch(..., wraps=...)``) stays in place, with ours
+    running inside it; one put in place of ``below`` while ours was off is
+    wrapped in turn when ours comes on again. A wrapper of ours that such a
+    patch puts back when it is undone (a mock's exit) is still ours.
+    """
+
+    __slots__ = ("owner", "name", "below", "wrapper", "make", "made")
+
+    def __init__(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        self.owner, self.name, self.make = owner, name, make
+        self.below = vars(owner)[name]
+        self.wrapper = make(self.below)
+        # Every (wrapper, below) this place built: rebuilt only when someone
+        # replaced ``below`` while ours was off, which is rare.
+        self.made: List[Tuple[Any, Any]] = [(self.wrapper, self.below)]
+
+    def put(self, on: bool) -> None:
+        current = vars(self.owner).get(self.name, self)
+        if current is self:
+            return  # deleted by someone: theirs to put back
+        for wrapper, below in self.made:
+            if current is wrapper:
+                # One of ours, put back by a patch undone since: current again.
+                self.wrapper, self.below = wrapper, below
+                if not on:
+                    setattr(self.owner, self.name, below)
+                return
+        if not on or any(holds(current, wrapper) for wrapper, _ in self.made):
+            return  # someone else's, with ours inside it or not ours to touch
+        if current is not self.below:
+            # Replaced while ours was off: ours goes around what is there now.
+            self.below, self.wrapper = current, self.make(current)
+            self.made.append((self.wrapper, self.below))
+        setattr(self.owner, self.name, self.wrapper)
 
 
 def params_of(function: Callable[..., Any]) -> List[str]:

@@ -14,7 +14,7 @@ Each wrapper has wrapt's signature ``(wrapped, instance, args, kwargs)``;
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from assigntape._tf import (
     dtypes,
@@ -27,6 +27,7 @@ from assigntape._tf import (
 )
 
 from assigntape import _control_flow, _fused, _plain_tapes, _rules, _versions
+from assigntape._errors import WriteDtypeError
 from assigntape._wrapping import bind
 
 __all__ = ["fused_write", "raw_read", "tracked_write", "untracked_write", "watch", "write_here"]
@@ -49,8 +50,14 @@ def tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Cal
         around = _versions.branch_around(scope)
         if around is None and branch is None and scope.key is not None:
             _plain_tapes.refuse_recorders_outside_body(scope, var, op_name)
-        for name in rule.value_args:
-            arguments[name] = ops.convert_to_tensor(arguments[name], dtype=var.dtype)
+        values = _converted(op_name, arguments, rule.value_args, var)
+        if values is None:
+            # A value of another dtype (a Python list of floats for a float64
+            # variable, a NumPy float64 array, Python ints, an int32 tensor), or
+            # one TensorFlow cannot convert: the call as the user made it, for
+            # TensorFlow's own error, before anything is written or recorded.
+            return wrapped(*args, **kwargs)
+        arguments.update(values)
         _versions.refuse_foreign_inputs(var, op_name, [arguments[name] for name in rule.value_args])
         if branch is not None:
             return _control_flow.branch_write(op_name, rule, wrapped, arguments, branch, var)
@@ -135,12 +142,12 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
         around = _versions.branch_around(scope)
         if around is None and branch is None and scope.key is not None:
             _plain_tapes.refuse_recorders_outside_body(scope, first, op_name)
-        for name in kernel.inputs:
-            # Numbers become tensors of the variable's dtype, once, for the kernel
-            # and the form alike; a tensor of another dtype is left for the kernel
-            # to refuse with TensorFlow's own error.
-            if name in arguments and not isinstance(arguments[name], tensor_lib.Tensor):
-                arguments[name] = ops.convert_to_tensor(arguments[name], dtype=first.dtype)
+        # The kernel's inputs converted once, for the kernel and the form alike,
+        # to the dtype TensorFlow's function would convert them to.
+        inputs = _kernel_inputs(op_name, arguments, kernel.inputs, first, scope.key is None)
+        if inputs is None:
+            return wrapped(*args, **kwargs)  # TensorFlow's own error, nothing written
+        arguments.update(inputs)
         _versions.refuse_foreign_inputs(first, op_name, [arguments.get(name) for name in kernel.inputs])
         checks: List[Any] = []
         if kernel.sparse:
@@ -196,6 +203,68 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
         return result
 
     return wrapper
+
+
+# Write ops whose kernels abort the process (TensorFlow 2.21, no tape) when
+# given a value whose dtype is not the variable's, where the others raise
+# InvalidArgumentError: refused before they run (``WriteDtypeError``).
+_ABORT_ON_DTYPE = frozenset(
+    ["ResourceScatterNdUpdate", "ResourceScatterNdAdd", "ResourceScatterNdSub", "ResourceScatterNdMin", "ResourceScatterNdMax"]
+)
+
+
+def _converted(op_name: str, arguments: Dict[str, Any], names: Sequence[str], var: Any) -> Optional[Dict[str, Any]]:
+    """A write op's value arguments converted as its generated function
+    converts them, from the value alone (a Python float list to float32,
+    Python ints to int32, a NumPy array in its own dtype: not to the
+    variable's), or None where one does not convert or is not of the
+    variable's dtype: TensorFlow's op then raises its own error (or, where
+    its kernel would abort, ``WriteDtypeError``)."""
+    converted = {}
+    for name in names:
+        try:
+            value = ops.convert_to_tensor(arguments[name])
+        except (TypeError, ValueError):
+            return None
+        if value.dtype != var.dtype:
+            if op_name in _ABORT_ON_DTYPE:
+                raise _dtype_error(op_name, names, value.dtype.name, var)
+            return None
+        converted[name] = value
+    return converted
+
+
+def _dtype_error(op_name: str, names: Sequence[str], found: str, var: Any) -> WriteDtypeError:
+    error: WriteDtypeError = WriteDtypeError(
+        f"{op_name} was given {', '.join(names)} that TensorFlow converts to {found}, for variable "
+        f"{var.name!r} of dtype {var.dtype.name}: its kernel would abort the process. Nothing was "
+        f"written. Pass tensors of dtype {var.dtype.name} (tf.constant(x, {var.dtype.name!r}))."
+    )
+    return error
+
+
+def _kernel_inputs(
+    op_name: str, arguments: Dict[str, Any], names: Sequence[str], var: Any, eager: bool
+) -> Optional[Dict[str, Any]]:
+    """A fused kernel's inputs of its type ``T`` (``names``, in the op's
+    order) converted to the dtype TensorFlow's function gives them: eagerly
+    the first tensor's, else the one the first value converts to; in a graph
+    the first input's. None where an input does not convert to it: the call
+    as the user made it then raises TensorFlow's own ``TypeError``. A ``T``
+    that is not the variable's dtype is refused before anything runs
+    (``WriteDtypeError``, a ``TypeError``): TensorFlow's kernel would abort
+    the process (TensorFlow 2.21, a float64 variable given Python floats)."""
+    given = [(name, arguments[name]) for name in names if arguments.get(name) is not None]
+    tensors = [value for _, value in given if isinstance(value, tensor_lib.Tensor)]
+    first = tensors[0] if tensors and eager else given[0][1] if given else None
+    try:
+        dtype = first.dtype if isinstance(first, tensor_lib.Tensor) else ops.convert_to_tensor(first).dtype
+        converted = {name: ops.convert_to_tensor(value, dtype=dtype) for name, value in given}
+    except (TypeError, ValueError):
+        return None  # TensorFlow's conversion fails the same way, before its kernel
+    if dtype != var.dtype:
+        raise _dtype_error(op_name, names, dtype.name, var)
+    return converted
 
 
 def _forward_value(rule: _rules.Rule, var: Any, old: Any, write: _rules.Write, arguments: Dict[str, Any], eager: bool) -> Any:

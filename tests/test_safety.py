@@ -178,7 +178,7 @@ def test_a_closed_tape_keeps_the_write_patches_while_it_may_be_entered_again(mon
 def _tensorflows_gradient():
     from tensorflow.python.eager import backprop
 
-    return next(o for owner, name, o in _patches._saved if owner is backprop.GradientTape and name == "gradient")
+    return next(p.below for p in _patches._saved if p.owner is backprop.GradientTape and p.name == "gradient")
 
 
 def test_outside_every_tape_a_plain_tapes_gradient_is_tensorflows_own(monkeypatch):
