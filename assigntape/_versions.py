@@ -67,6 +67,7 @@ __all__ = [
     "canonical_handle",
     "differentiable",
     "new_version",
+    "same_handle_attributes",
 ]
 
 _tls = threading.local()
@@ -1388,6 +1389,30 @@ class HandleDescriptor:
 
 _READING = HandleDescriptor()
 served.append((_BASE_VARIABLE, "_handle", _READING, None))
+
+
+def _of_own_handle(name: str, original: Any) -> property:
+    """``BaseResourceVariable.<name>`` (``op``, ``graph``, ``device``), which
+    TensorFlow derives from ``v.handle``, taken from the variable's own handle
+    while versions are served: a variable is the same variable after a write.
+    Through a version, a variable written in a ``tf.function`` would have an
+    ``op`` (the version's identity) where TensorFlow raises AttributeError
+    (an eager handle has none), and slot lookups keyed by it
+    (``tf.compat.v1.train``'s ``_var_key``) would not find the slots made
+    for the variable."""
+
+    def get(self: Any) -> Any:
+        own = self.__dict__.get("_handle")
+        if own is None:  # a wrapper with no handle of its own: TensorFlow's way
+            return original.fget(self)
+        return getattr(own, name)
+
+    return property(get, original.fset, original.fdel, original.__doc__)
+
+
+for _name in ("op", "graph", "device"):
+    _original = _BASE_VARIABLE.__dict__[_name]
+    served.append((_BASE_VARIABLE, _name, _of_own_handle(_name, _original), _original))
 _UNREAD_VARIABLE = resource_variable_ops._UnreadVariable
 
 
@@ -1488,13 +1513,34 @@ def new_version(old: Any, write_result: Any) -> Any:
             handle_data = getattr(old, "_handle_data", None)
             if handle_data is not None:
                 new._handle_data = handle_data
-            return new
+            return same_handle_attributes(old, new)
     with record.stop_recording():
         if executing_eagerly() or write_result is None:
-            return array_ops.identity(old)
+            return same_handle_attributes(old, array_ops.identity(old))
         # In a graph, reads through the new handle must run after the write.
         with ops.control_dependencies([write_result]):
-            return array_ops.identity(root_handle(old))
+            return same_handle_attributes(old, array_ops.identity(root_handle(old)))
+
+
+# Python attributes TensorFlow puts on a variable's handle tensor, which code
+# that is given the variable looks up on ``v.handle``: a distributed
+# variable's component keeps its container there (``values.DistributedVariable``
+# sets it, since attributes of the variable itself, a CompositeTensor, are lost
+# through nest). Keras 3 and tf_keras optimizers find a component's slots by it.
+_HANDLE_ATTRIBUTES = ("_distributed_container",)
+
+
+def same_handle_attributes(old: Any, new: Any) -> Any:
+    """``new``, a version of the variable whose handle (or version) is ``old``,
+    given the Python attributes TensorFlow set on the variable's handle, so that
+    whatever looks them up on ``v.handle`` finds them on every version as on the
+    handle itself. Every version is made through here (``new_version``, and the
+    graph versions of ``_control_flow``)."""
+    for name in _HANDLE_ATTRIBUTES:
+        value = getattr(old, name, None)
+        if value is not None:
+            setattr(new, name, value)
+    return new
 
 
 def root_handle(handle: Any) -> Any:

@@ -352,3 +352,32 @@ def test_hypergradient_example_under_mirrored_strategy_equals_one_device():
         assert len(rates["mirrored"]) == len(reference), mode
         np.testing.assert_allclose(rates["one device"], reference, rtol=1e-5, err_msg=mode)
         np.testing.assert_allclose(rates["mirrored"], reference, rtol=1e-5, err_msg=mode)
+
+
+def test_inner_loop_of_optimizer_steps_with_slots_in_one_tape():
+    """Two optimizer steps with slots in ONE tape per replica (an inner loop),
+    and a single AdamW step (its weight decay writes before the update), under
+    MirroredStrategy, eager and compiled: the optimizers find their slots
+    after a write (the version handle carries ``_distributed_container``, and
+    ``v.op`` is the variable's own), and the replicas' meta-gradients sum to
+    the single-device meta-gradient of the summed objective; for Keras SGD
+    with Nesterov momentum, to the rewrite's. Were: KeyError (Keras 3),
+    AttributeError (tf_keras legacy, tf.compat.v1), before any gradient."""
+    out = _helper_output("mirrored_inner_loop")
+    rewrite = out.pop("rewrite_SGD_momentum")
+    np.testing.assert_allclose(out["SGD_momentum"]["single"][0], rewrite[0], rtol=1e-5)
+    assert len(out) == 9
+    for name, got in out.items():
+        d_lr, d_w, w1 = got["single"]
+        for mode in ("eager", "compiled"):
+            assert "result" in got[mode], (name, mode, got[mode])
+            s_lr, s_w, components = got[mode]["result"]
+            label = f"{name} {mode}"
+            np.testing.assert_allclose(s_lr, d_lr, rtol=1e-5, err_msg=label)
+            np.testing.assert_allclose(s_w, d_w, rtol=1e-5, atol=1e-6, err_msg=label)
+            for component in components:
+                np.testing.assert_allclose(component, w1, rtol=1e-6, err_msg=label)
+            if name == "SGD_momentum":  # the rewrite, not the code under test
+                np.testing.assert_allclose(s_lr, rewrite[0], rtol=1e-5, err_msg=label)
+                np.testing.assert_allclose(s_w, rewrite[1], rtol=1e-5, atol=1e-6, err_msg=label)
+                np.testing.assert_allclose(components[0], rewrite[2], rtol=1e-6, err_msg=label)
