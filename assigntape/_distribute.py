@@ -66,9 +66,18 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     """
     arguments = bind(("var", "fn", "args", "kwargs", "group"), args, kwargs)
     var = arguments["var"]
-    if not (_versions.differentiable(var) and _versions.open_elsewhere()):
+    strategy = instance._container_strategy()
+    if not (
+        _versions.differentiable(var)
+        and _versions.open_elsewhere()
+        # Made on behalf of replicas with a tape open: some of this strategy's
+        # replica threads are paused in merge_call (in whatever graph). Else it
+        # is this thread's own write (a Keras step with no strategy beside
+        # another thread's tape), which the write ops follow or refuse.
+        and _versions.replica_scopes(strategy, any_graph=True)
+    ):
         return wrapped(*args, **kwargs)
-    replicas = _versions.replica_scopes()
+    replicas = _versions.replica_scopes(strategy)
     components = getattr(var, "values", ())
     aggregation = getattr(var, "aggregation", None)
     if (
@@ -144,7 +153,7 @@ def non_slot_update(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     each device in turn, in merge_call. Each device's update runs as its
     replica, like a component's in ``distributed_update``, with the
     optimizer's coefficients computed again as that replica."""
-    replicas = _versions.replica_scopes() if _versions.open_elsewhere() else {}
+    replicas = _versions.replica_scopes(instance._container_strategy()) if _versions.open_elsewhere() else {}
     if not replicas:
         return wrapped(*args, **kwargs)
     arguments = bind(("colocate_with", "fn", "args", "kwargs", "group"), args, kwargs)
@@ -220,7 +229,7 @@ def cross_replica_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, 
     too, under a custom gradient of its own that the tapes follow already: left
     alone. A reduction to one device, or of ``IndexedSlices``, is refused.
     """
-    replicas = _versions.replica_scopes() if _versions.open_elsewhere() else {}
+    replicas = _versions.replica_scopes(instance._container_strategy()) if _versions.open_elsewhere() else {}
     if not replicas:
         return wrapped(*args, **kwargs)
     batched = wrapped.__name__ == "batch_reduce_to"

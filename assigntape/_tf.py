@@ -100,9 +100,9 @@ BaseResourceVariable = resource_variable_ops.BaseResourceVariable
 # (``executing_eagerly``), tf_keras' ``AutoCastVariable``
 # (``_variable``) and ``AggregatingVariable`` (``_v``); a TFModuleWrapper's
 # ``_tfmw_wrapped_module`` and ``_fastdict_insert`` (tf.compat.v1.raw_ops);
-# MirroredStrategy's replica threads' ``replica_id``, ``done`` and
-# ``should_run`` (mirrored_run._MirroredReplicaThread: which replica, paused in
-# merge_call, a cross-replica update is for).
+# MirroredStrategy's replica threads' ``replica_id``, ``distribution``, ``done``
+# and ``should_run`` (mirrored_run._MirroredReplicaThread: which replica of which
+# strategy, paused in merge_call, a cross-replica update is for).
 PRIVATE: List[Tuple[Any, str, str]] = [
     (BaseResourceVariable, "handle", "every read path gets the variable's handle here"),
     (ops.EagerTensor, "_copy_nograd", "a new version of an eager handle without an op"),
@@ -125,6 +125,7 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (distribute_lib.StrategyExtendedV2, "reduce_to", "reductions in merge_call, linked on the replicas' tapes"),
     (distribute_lib.StrategyExtendedV2, "batch_reduce_to", "reductions in merge_call, linked on the replicas' tapes"),
     (distribute_lib, "get_update_replica_id", "the replica a component's update is for"),
+    (distribute_lib.StrategyExtendedV2, "_container_strategy", "whose replicas a cross-replica update is for"),
     (eager_tape, "push_tape", "recording a replica's update on its tapes, in merge_call"),
     (eager_tape, "pop_tape", "recording a replica's update on its tapes, in merge_call"),
     (pywrap_tfe, "TFE_Py_TapeSetShouldRecordBackprop", "whether a replica's tapes watch a value"),

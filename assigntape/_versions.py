@@ -568,10 +568,13 @@ def _other_threads() -> List[Scope]:
         return [scope for scope in _all_scopes if scope.thread != me and scope not in merging]
 
 
-def replica_scopes() -> Dict[int, Scope]:
-    """The scopes open in ``MirroredStrategy`` replica threads, in the graph
-    being built here (or eagerly), by the replica's local id: the replicas
-    whose ``merge_call`` is running here, in the main thread."""
+def replica_scopes(strategy: Any, any_graph: bool = False) -> Dict[int, Scope]:
+    """The scopes open in ``strategy``'s replica threads (``MirroredStrategy``'s,
+    and its subclasses'), paused in ``merge_call``, by the replica's local id:
+    the replicas whose ``merge_call`` is running here, in the main thread.
+    Only those in the graph being built here (or eagerly), unless
+    ``any_graph``. A thread of another strategy, or of none, is no replica of
+    this one: its tapes are its own (a plain thread's update is a plain write)."""
     key = current_key()
     threads = {t.ident: t for t in threading.enumerate()}
     found: Dict[int, Scope] = {}
@@ -583,7 +586,13 @@ def replica_scopes() -> Dict[int, Scope]:
         # A replica thread (mirrored_run._MirroredReplicaThread) paused in
         # merge_call: not done, and waiting for its should_run event.
         paused = not getattr(thread, "done", True) and not getattr(thread, "should_run", _SET).is_set()
-        if scope.key is key and isinstance(replica, int) and paused and scope.records:
+        if (
+            (any_graph or scope.key is key)
+            and isinstance(replica, int)
+            and getattr(thread, "distribution", None) is strategy
+            and paused
+            and scope.records
+        ):
             found[replica] = scope
     return found
 

@@ -381,3 +381,92 @@ def test_inner_loop_of_optimizer_steps_with_slots_in_one_tape():
                 np.testing.assert_allclose(s_lr, rewrite[0], rtol=1e-5, err_msg=label)
                 np.testing.assert_allclose(s_w, rewrite[1], rtol=1e-5, atol=1e-6, err_msg=label)
                 np.testing.assert_allclose(components[0], rewrite[2], rtol=1e-6, err_msg=label)
+
+
+def _hypergradient_steps(steps=3, meanwhile=lambda: None):
+    """Keras SGD(momentum=0.5) steps on w = [1, 2], loss sum(w^2), each in a tape
+    of its own: d sum(w) / d lr after each step. Hand derivation (g = 2w, the
+    slot m a variable: its value only, from the tape's start): m' = 0.5 m -
+    2 lr w, w' = w + m', so d sum(w')/d lr = -2 sum(w) = -6, then -4.8 (w =
+    0.8 w0), then -3.24 (w = 0.54 w0)."""
+    import keras
+
+    from assigntape import AssignAwareTape
+
+    w, lr = tf.Variable([1.0, 2.0]), tf.Variable(0.1)
+    optimizer = keras.optimizers.SGD(learning_rate=lambda: lr * 1.0, momentum=0.5)
+    optimizer.build([w])
+    out = []
+    for _ in range(steps):
+        with AssignAwareTape() as outer:
+            meanwhile()  # (the other thread's tape is open too)
+            with tf.GradientTape() as inner:
+                loss = tf.reduce_sum(w**2)
+            optimizer.apply_gradients([(inner.gradient(loss, w), w)])
+            val = tf.reduce_sum(w)
+        out.append(float(outer.gradient(val, lr)))
+    return out
+
+
+HYPERGRADIENTS = [-6.0, -4.8, -3.24]
+
+
+def test_a_plain_optimizer_step_beside_another_threads_tape_is_a_plain_step():
+    """No strategy: a Keras optimizer step on the main thread's own variables
+    (outside every tape here, then inside one) while another thread has a tape
+    open is this thread's write, not a cross-replica update for replicas that
+    do not exist. Was: UntrackedWriteError "cross-replica update ... in a
+    replica"."""
+    import threading
+
+    import keras
+
+    from assigntape import AssignAwareTape
+
+    opened, release = threading.Event(), threading.Event()
+
+    def holder():
+        v = tf.Variable(1.0)
+        with AssignAwareTape():
+            v.assign(v * 2.0)
+            opened.set()
+            release.wait(120)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert opened.wait(60)
+        w = tf.Variable([1.0, 2.0])
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build([w])
+        optimizer.apply_gradients([(tf.constant([1.0, 1.0]), w)])
+        np.testing.assert_allclose(w.numpy(), [0.9, 1.9], rtol=1e-6)  # plain TensorFlow
+        np.testing.assert_allclose(_hypergradient_steps(), HYPERGRADIENTS, rtol=1e-5)
+    finally:
+        release.set()
+        thread.join(60)
+
+
+def test_two_threads_each_with_a_hypergradient_step_on_their_own_variables():
+    """Two threads, no strategy, each a Keras optimizer step inside its own
+    tape: neither is taken for the other's replica. Was: UntrackedWriteError
+    in one of them."""
+    import threading
+
+    results = {}
+    both_open = threading.Barrier(2, timeout=60)
+
+    def worker(k):
+        try:
+            results[k] = _hypergradient_steps(meanwhile=both_open.wait)
+        except Exception as e:  # noqa: BLE001 - the test looks at what was raised
+            results[k] = f"{type(e).__name__}: {e}"
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for k in range(2):
+        assert not isinstance(results[k], str), results[k]
+        np.testing.assert_allclose(results[k], HYPERGRADIENTS, rtol=1e-5)
