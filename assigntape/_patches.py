@@ -38,6 +38,7 @@ from assigntape._tf import (
     distribute_lib,
     distribute_values,
     distribute_utils,
+    mirrored_run,
     eager_tape,
     forwardprop,
     gen_array_ops,
@@ -241,6 +242,9 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (distribute_lib.StrategyExtendedV2, "reduce_to", _distribute.cross_replica_reduce),
         (distribute_lib.StrategyExtendedV2, "batch_reduce_to", _distribute.cross_replica_reduce),
         (distribute_lib.StrategyExtendedV1, "update_non_slot", _distribute.non_slot_update),
+        # Replica threads that a merge_call's own call_for_each_replica starts
+        # (Keras 3's LossScaleOptimizer) run as their replica (_distribute).
+        (mirrored_run._MirroredReplicaThread, "run", _distribute.replica_thread_run),
         # MirroredVariable's replica-context write, which TensorFlow calls
         # through the module attribute.
         (distribute_values, "_on_write_update_replica", _distribute.aggregated_write),

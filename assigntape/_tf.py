@@ -31,6 +31,8 @@ try:
     # Strategies' update(), and the container a distributed component belongs to.
     from tensorflow.python.distribute import distribute_lib, distribute_utils
     from tensorflow.python.distribute import values as distribute_values
+    # MirroredStrategy's replica threads (a merge_call's own call_for_each_replica).
+    from tensorflow.python.distribute import mirrored_run
     # Parameter servers' partitioned variables, which no tape takes as a whole.
     from tensorflow.python.distribute.sharded_variable import ShardedVariable
     # GradientTape, ForwardAccumulator, eager context, recording ops on tapes,
@@ -126,6 +128,7 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (distribute_lib.StrategyExtendedV2, "batch_reduce_to", "reductions in merge_call, linked on the replicas' tapes"),
     (distribute_lib, "get_update_replica_id", "the replica a component's update is for"),
     (distribute_lib.StrategyExtendedV2, "_container_strategy", "whose replicas a cross-replica update is for"),
+    (mirrored_run, "_MirroredReplicaThread", "replica threads a merge_call starts run as their replica"),
     (eager_tape, "push_tape", "recording a replica's update on its tapes, in merge_call"),
     (eager_tape, "pop_tape", "recording a replica's update on its tapes, in merge_call"),
     (pywrap_tfe, "TFE_Py_TapeSetShouldRecordBackprop", "whether a replica's tapes watch a value"),
@@ -167,6 +170,11 @@ def _inner_code(function: Any, name: str) -> Any:
 # replicas' tapes already follow it (``_distribute.cross_replica_reduce``).
 ALL_REDUCE_MERGE_FN = _inner_code(distribute_lib.ReplicaContext.all_reduce, "batch_all_reduce")
 
+# ReplicaContext.merge_call, where a replica thread waits while its merge_call
+# function runs: the frame that holds the replica's own ReplicaContext
+# (``_distribute.replica_thread_run``).
+REPLICA_MERGE_CALL = distribute_lib.ReplicaContext.merge_call.__code__
+
 # tf.compat.v1.train optimizers' update function and the function that
 # updates their non-slot variables (``_finish``), in their _distributed_apply.
 V1_OPTIMIZER_UPDATE = _inner_code(v1_optimizer.Optimizer._distributed_apply, "update")
@@ -204,10 +212,10 @@ def executing_eagerly() -> bool:
     return ctx._thread_local_data.is_eager
 
 __all__ = [
-    "SUPPORTED", "PRIVATE", "ALL_REDUCE_MERGE_FN", "V1_OPTIMIZER_FINISH", "V1_OPTIMIZER_UPDATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph", "ShardedVariable",
+    "SUPPORTED", "PRIVATE", "ALL_REDUCE_MERGE_FN", "REPLICA_MERGE_CALL", "V1_OPTIMIZER_FINISH", "V1_OPTIMIZER_UPDATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph", "ShardedVariable",
     "UnliftedInitializerVariable",
     "UnconnectedGradients", "array_ops", "attr_value_pb2", "auto_control_deps", "backprop", "check_ops", "composite_tensor",
-    "cond_v2", "config", "config_lib", "context", "control_flow_util", "default_gradient", "distribute_lib", "distribute_utils", "distribute_values",
+    "cond_v2", "config", "config_lib", "context", "control_flow_util", "default_gradient", "distribute_lib", "distribute_utils", "distribute_values", "mirrored_run",
     "dtypes", "eager_tape", "executing_eagerly", "forwardprop", "gen_array_ops", "gen_resource_variable_ops", "gen_state_ops",
     "gen_training_ops", "handle_data_util", "indexed_slices", "math_ops", "nest", "ops", "profiler_trace", "pywrap_tfe",
     "record", "resource_variable_ops", "standard_ops", "state_ops", "tensor_array_ops", "tensor_conversion_registry", "tensor_lib",

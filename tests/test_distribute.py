@@ -253,6 +253,21 @@ def test_central_storage_strategy_meta_step_matches_one_device():
     refused = out["replica"]
     assert refused["error"] == "UntrackedWriteError", refused
     assert "cross-replica reduction" in refused["message"] and "'Variable:0'" in refused["message"], refused
+    # A Keras optimizer step in a replica's tape: its update is one write of
+    # the one copy, in merge_call, which no replica's tape can own. Refused,
+    # before anything is written, saying what works (it said such steps work).
+    for name, refused in out["keras_step"].items():
+        assert refused["error"] == "UntrackedWriteError", (name, refused)
+        assert refused["w"] == CS_W0, (name, refused)
+        message = refused["message"]
+        assert "CentralStorageStrategy" in message and "cross-replica context" in message, (name, message)
+        assert "work." not in message, (name, message)
+        # What it says works: the step in cross-replica context (the rewrite's).
+        for mode in ("eager", "function"):
+            got_lr, got_w, got_w1 = refused[mode]
+            np.testing.assert_allclose(got_lr, d_lr, rtol=1e-5, err_msg=f"{name} {mode}")
+            np.testing.assert_allclose(got_w, d_w, rtol=1e-5, err_msg=f"{name} {mode}")
+            np.testing.assert_allclose(got_w1, w1, rtol=1e-6, err_msg=f"{name} {mode}")
 
 
 def test_compiled_writes_to_a_variable_on_another_device():
@@ -470,3 +485,24 @@ def test_two_threads_each_with_a_hypergradient_step_on_their_own_variables():
     for k in range(2):
         assert not isinstance(results[k], str), results[k]
         np.testing.assert_allclose(results[k], HYPERGRADIENTS, rtol=1e-5)
+
+
+def test_keras_loss_scale_optimizer_under_mirrored_strategy():
+    """Keras 3's LossScaleOptimizer steps its inner optimizer through
+    call_for_each_replica inside merge_call: a second set of replica threads,
+    run as their replicas. Eager, its meta-gradient is the second-order one:
+    SGD's equals the rewrite's, Adam's two steps in one tape equal one
+    device's. Was: d/d lr None, d/d w first-order only (silently). Compiled,
+    the update is made in a tf.cond built in merge_call: refused, with the
+    way out."""
+    out = _helper_output("mirrored_loss_scale")
+    rewrite = out.pop("rewrite_SGD")
+    np.testing.assert_allclose(out["SGD"]["single"][0], rewrite[0], rtol=1e-5)
+    for name, expected in (("SGD", rewrite), ("Adam", out["Adam"]["single"])):
+        got = out[name]["eager"]
+        assert "result" in got, (name, got)
+        np.testing.assert_allclose(got["result"][0], expected[0], rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(got["result"][1], expected[1], rtol=1e-5, atol=1e-6, err_msg=name)
+        compiled = out[name]["compiled"]
+        assert compiled.get("error") == "UntrackedWriteError", (name, compiled)
+        assert "LossScaleOptimizer" in compiled["message"] and "run_functions_eagerly" in compiled["message"]

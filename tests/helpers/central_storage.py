@@ -49,6 +49,50 @@ def main() -> None:
         out["replica"] = {"error": None}
     except Exception as error:  # noqa: BLE001 - reported to the test
         out["replica"] = {"error": type(error).__name__, "message": str(error)[:1500]}
+    # A Keras optimizer step (Keras 3, tf_keras legacy) in a replica's tape.
+    import keras
+    import tf_keras
+
+    out["keras_step"] = {}
+    for name, make in (("SGD", keras.optimizers.SGD), ("legacy_SGD", tf_keras.optimizers.legacy.SGD)):
+        with strategy.scope():
+            v = tf.Variable(W0)
+            optimizer = make(learning_rate=lambda: lr * 1.0)
+
+        def keras_step() -> Any:
+            from assigntape import AssignAwareTape
+
+            with AssignAwareTape() as outer:
+                with tf.GradientTape() as inner:
+                    loss = tf.reduce_sum((v * x) ** 2)
+                optimizer.apply_gradients([(inner.gradient(loss, v), v)])
+                val = tf.reduce_sum(v)
+            return outer.gradient(val, lr)
+
+        try:
+            strategy.run(keras_step)
+            out["keras_step"][name] = {"error": None, "w": v.numpy().tolist()}
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            out["keras_step"][name] = {"error": type(error).__name__, "message": str(error)[:1500], "w": v.numpy().tolist()}
+        # What the refusal says works: the same step in cross-replica context,
+        # the meta-step of ``step`` with the optimizer's update.
+        for mode in ("eager", "function"):
+            with strategy.scope():
+                v = tf.Variable(W0)
+                optimizer = make(learning_rate=lambda: lr * 1.0)
+
+            def cross_replica_step() -> Any:
+                from assigntape import AssignAwareTape
+
+                with AssignAwareTape() as outer:
+                    with tf.GradientTape() as inner:
+                        loss = tf.reduce_sum((v * x) ** 2)
+                    optimizer.apply_gradients([(inner.gradient(loss, v), v)])
+                    val = tf.reduce_sum((v * x - 1.0) ** 2)
+                return outer.gradient(val, [lr, v])
+
+            d_lr, d_w = (tf.function(cross_replica_step) if mode == "function" else cross_replica_step)()
+            out["keras_step"][name][mode] = [float(d_lr), d_w.numpy().tolist(), v.numpy().tolist()]
     print(json.dumps(out))
 
 
