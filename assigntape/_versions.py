@@ -613,8 +613,11 @@ def _recording_tapes(scope: Scope) -> List[Any]:
     tapes = [t for t in (r.recording_tape() for r in scope.records) if t is not None]
     for ref, key in _plain_by_thread.get(scope.thread, ()):
         tape = ref()
-        if tape is not None and key is scope.key and tape._recording and tape._tape not in tapes:
-            tapes.append(tape._tape)
+        # The thread's ForwardAccumulators are noted there too: they have no
+        # tape (TensorFlow's accumulators are not on the tape stack).
+        inner = getattr(tape, "_tape", None)
+        if inner is not None and key is scope.key and tape._recording and inner not in tapes:
+            tapes.append(inner)
     return tapes
 
 

@@ -506,3 +506,19 @@ def test_keras_loss_scale_optimizer_under_mirrored_strategy():
         compiled = out[name]["compiled"]
         assert compiled.get("error") == "UntrackedWriteError", (name, compiled)
         assert "LossScaleOptimizer" in compiled["message"] and "run_functions_eagerly" in compiled["message"]
+
+
+def test_forward_accumulator_in_a_replica_around_an_all_reduce():
+    """A ForwardAccumulator in a replica around an all_reduce, an
+    AssignAwareTape inside or around it, no write: TensorFlow's results, the
+    same as with a plain tf.GradientTape. Eagerly, by hand: y = x0^2 + x1^2
+    summed over the replicas, each x = 2 with tangent 1, so jvp = 2*2 + 2*2 =
+    8, and dy/dx = 2x times the all-reduced upstream gradient (2) = 8. Was:
+    AttributeError 'ForwardAccumulator' object has no attribute '_tape'."""
+    out = _helper_output("mirrored_forward")
+    for label, got in out.items():
+        assert "result" in got, (label, got)
+        if label.endswith("eager"):
+            assert got["result"] == [[8.0, 8.0], [8.0, 8.0]], (label, got)
+        if label.startswith("aware"):
+            assert got["result"] == out[label.replace("aware", "plain")]["result"], label
