@@ -139,6 +139,8 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (pywrap_tfe, "TFE_Py_TapeSetIsStopped", "whether a write is recorded"),
     (context, "_context", "executing_eagerly() without two Python calls, on every variable read"),
     (pywrap_tfe, "TFE_Py_PackJVPs", "whether a write's inputs carry tangents"),
+    (pywrap_tfe, "TFE_Py_ForwardAccumulatorSetAdd", "a replica's accumulators record its update, in merge_call"),
+    (pywrap_tfe, "TFE_Py_ForwardAccumulatorSetRemove", "a replica's accumulators record its update, in merge_call"),
     (record, "record_operation_backprop_only", "a write's version on reverse tapes"),
     (record, "record_operation_forwardprop_only", "a write's version on accumulators"),
     (control_flow_util, "GraphOrParentsInXlaContext", "refusing what XLA cannot check"),

@@ -672,18 +672,36 @@ def refuse_foreign_inputs(var: Any, op_name: str, tensors: Sequence[Any]) -> Non
 def acting_for(scope: Scope, merging: Sequence[Scope]) -> Iterator[None]:
     """Runs the block in this thread as if in ``scope``'s (a replica thread
     paused in ``merge_call``, with the others of ``merging``): its versions
-    are served and advanced, and its recording tapes record the block's ops."""
+    are served and advanced, and its recording tapes and forward accumulators
+    record the block's ops (TensorFlow keeps both sets per thread)."""
     saved = getattr(_tls, "scopes", None), getattr(_tls, "merging", ())
     _tls.scopes, _tls.merging = {scope.key: scope}, tuple(merging)
     recording = _recording_tapes(scope)
+    accumulators = _recording_accumulators(scope)
     for tape in recording:
         eager_tape.push_tape(tape)
+    for accumulator in accumulators:
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator)
     try:
         yield
     finally:
+        for accumulator in reversed(accumulators):
+            pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(accumulator)
         for tape in reversed(recording):
             eager_tape.pop_tape(tape)
         _tls.scopes, _tls.merging = saved
+
+
+def _recording_accumulators(scope: Scope) -> List[Any]:
+    """TensorFlow's accumulator objects recording in ``scope``'s thread and
+    graph (its ``ForwardAccumulator``s, entered first first), for ``acting_for``."""
+    found = []
+    for ref, key in _plain_by_thread.get(scope.thread, ()):
+        accumulator = ref()
+        inner = getattr(accumulator, "_accumulator", None)
+        if inner is not None and key is scope.key and accumulator._recording:
+            found.append(inner)
+    return found
 
 
 def open_elsewhere() -> bool:

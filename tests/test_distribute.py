@@ -508,14 +508,24 @@ def test_keras_loss_scale_optimizer_under_mirrored_strategy():
         assert "LossScaleOptimizer" in compiled["message"] and "run_functions_eagerly" in compiled["message"]
 
 
-def test_forward_accumulator_in_a_replica_around_an_all_reduce():
+def test_forward_accumulators_in_replicas():
     """A ForwardAccumulator in a replica around an all_reduce, an
     AssignAwareTape inside or around it, no write: TensorFlow's results, the
     same as with a plain tf.GradientTape. Eagerly, by hand: y = x0^2 + x1^2
     summed over the replicas, each x = 2 with tangent 1, so jvp = 2*2 + 2*2 =
     8, and dy/dx = 2x times the all-reduced upstream gradient (2) = 8. Was:
-    AttributeError 'ForwardAccumulator' object has no attribute '_tape'."""
+    AttributeError 'ForwardAccumulator' object has no attribute '_tape'.
+    And through a Keras step in the replica, forward equals reverse."""
     out = _helper_output("mirrored_forward")
+    # A Keras step's update, made in merge_call as each replica, is recorded
+    # on that replica's accumulators too: each replica's jvp along lr equals
+    # its reverse d/d lr, and they sum to the rewrite's (was: jvp None).
+    rewrite = out.pop("rewrite_d_lr")
+    for mode, got in out.pop("keras_step").items():
+        assert "result" in got, (mode, got)
+        for jvp, grad in got["result"]:
+            np.testing.assert_allclose(jvp, grad, rtol=1e-5, err_msg=mode)
+        np.testing.assert_allclose(sum(g for _, g in got["result"]), rewrite, rtol=1e-5, err_msg=mode)
     for label, got in out.items():
         assert "result" in got, (label, got)
         if label.endswith("eager"):

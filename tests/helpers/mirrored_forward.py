@@ -57,7 +57,43 @@ def main() -> None:
                     ]
 
                 out[f"{kind} {'outside' if outside else 'inside'} {mode}"] = _outcome(run)
+    out["keras_step"] = {mode: _outcome(lambda: keras_step(strategy, mode == "compiled")) for mode in ("eager", "compiled")}
+    from helpers.mirrored_loss_scale import sgd_rewrite
+
+    out["rewrite_d_lr"] = sgd_rewrite()[0]
     print(json.dumps(out))
+
+
+def keras_step(strategy: Any, compiled: bool) -> Any:
+    """A Keras SGD meta-step in each replica with a ForwardAccumulator (lr,
+    tangent 1) around the AssignAwareTape: each replica's [jvp, d/d lr]."""
+    import keras
+
+    from assigntape import AssignAwareTape
+    from helpers.mirrored_optimizers import TASKS, W0
+
+    with strategy.scope():
+        w, lr = tf.Variable(W0), tf.Variable(0.1)
+        optimizer = keras.optimizers.SGD(learning_rate=lambda: lr * 1.0)
+        optimizer.build([w])
+    xs = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(TASKS[ctx.replica_id_in_sync_group])
+    )
+
+    def step(x: Any) -> Any:
+        with tf.autodiff.ForwardAccumulator(lr, tf.constant(1.0)) as acc:
+            with AssignAwareTape() as outer:
+                with tf.GradientTape() as inner:
+                    loss = tf.reduce_sum((w * x) ** 2)
+                optimizer.apply_gradients([(inner.gradient(loss, w), w)])
+                val = tf.reduce_sum((w * x - 1.0) ** 2)
+        return acc.jvp(val), outer.gradient(val, lr)
+
+    jvp, grad = strategy.run(tf.function(step) if compiled else step, args=(xs,))
+    return [
+        [None if j is None else float(j), float(g)]
+        for j, g in zip(strategy.experimental_local_results(jvp), strategy.experimental_local_results(grad))
+    ]
 
 
 if __name__ == "__main__":
