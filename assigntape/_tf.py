@@ -121,7 +121,6 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (backprop.GradientTape, "_pop_tape", "pausing one tape while recording on others"),
     (backprop.GradientTape, "_ensure_recording", "reading a version on a plain tape"),
     (eager_tape, "variable_accessed", "refusing reads of variables written unseen"),
-    (v1_optimizer, "_var_key", "tf.compat.v1 slots found again after a write"),
     (distribute_lib.StrategyExtendedV2, "update", "cross-replica updates"),
     (distribute_lib.StrategyExtendedV1, "update_non_slot", "tf.compat.v1 optimizers' non-slot updates"),
     (distribute_lib.StrategyExtendedV2, "reduce_to", "reductions in merge_call, linked on the replicas' tapes"),
