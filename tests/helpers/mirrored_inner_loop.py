@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -23,40 +23,40 @@ LR0 = 0.1
 MOMENTUM = 0.9
 
 
-def inner_loop_optimizers(lr: Any) -> Dict[str, Callable[[], Any]]:
+def inner_loop_optimizers(lr: Any) -> Dict[str, Tuple[Callable[[], Any], int]]:
+    """name -> (the optimizer, how many steps in the tape)."""
     import keras
 
     made = optimizers(lr)
-    chosen = {name: made[name] for name in (
+    chosen = {name: (made[name], 2) for name in (
         "SGD_momentum", "Adam", "RMSprop", "legacy_SGD_momentum", "legacy_Adam", "legacy_RMSprop", "v1_Momentum", "v1_Adam"
     )}
-    chosen["AdamW"] = lambda: keras.optimizers.AdamW(learning_rate=lambda: lr * 1.0, weight_decay=0.05)
+    # One step: AdamW failed at its first (its weight decay writes before the update).
+    chosen["AdamW"] = (lambda: keras.optimizers.AdamW(learning_rate=lambda: lr * 1.0, weight_decay=0.05), 1)
     return chosen
 
 
-def steps_of(name: str) -> int:
-    # AdamW failed at its first step (its weight decay writes before the update).
-    return 1 if name == "AdamW" else 2
-
-
 def _loop(optimizer: Any, w: Any, xs: List[Any], steps: int) -> Any:
-    """The inner loop and the validation loss after it, in the caller's tape."""
+    """The inner loop and the validation loss after it, in the caller's tape.
+    A loss-scaling optimizer scales the loss (Keras 3's ``scale_loss``)."""
+    scale = getattr(optimizer, "scale_loss", lambda loss: loss)
     for _ in range(steps):
         with tf.GradientTape() as inner:
-            loss = sum(tf.reduce_sum((w * x) ** 2) for x in xs)
+            loss = scale(sum(tf.reduce_sum((w * x) ** 2) for x in xs))
         optimizer.apply_gradients([(inner.gradient(loss, w), w)])
     return sum(tf.reduce_sum((w * x - 1.0) ** 2) for x in xs)
 
 
-def single_device(name: str) -> List[Any]:
-    """[d/d lr, d/d w, w after] of the replicas' summed objective, one device."""
+def single_device(make: Callable[[Any], Any], steps: int) -> List[Any]:
+    """[d/d lr, d/d w, w after] of the replicas' summed objective, one device;
+    ``make(lr)`` the optimizer."""
     from assigntape import AssignAwareTape
 
     w, lr = tf.Variable(W0), tf.Variable(LR0)
-    optimizer = inner_loop_optimizers(lr)[name]()
+    optimizer = make(lr)
     _build(optimizer, [w])
     with AssignAwareTape() as outer:
-        val = _loop(optimizer, w, [tf.constant(x) for x in TASKS], steps_of(name))
+        val = _loop(optimizer, w, [tf.constant(x) for x in TASKS], steps)
     d_lr, d_w = outer.gradient(val, [lr, w])
     return [float(d_lr), d_w.numpy().tolist(), w.numpy().tolist()]
 
@@ -81,13 +81,13 @@ def sgd_momentum_rewrite() -> List[Any]:
     return [float(d_lr), d_w.numpy().tolist(), v.numpy().tolist()]
 
 
-def mirrored(strategy: Any, name: str, compiled: bool) -> List[Any]:
+def mirrored(strategy: Any, make: Callable[[Any], Any], steps: int, compiled: bool) -> List[Any]:
     """[sum over replicas of d/d lr, of d/d w, each component after]."""
     from assigntape import AssignAwareTape
 
     with strategy.scope():
         w, lr = tf.Variable(W0), tf.Variable(LR0)
-        optimizer = inner_loop_optimizers(lr)[name]()
+        optimizer = make(lr)
         _build(optimizer, [w])
     xs = strategy.experimental_distribute_values_from_function(
         lambda ctx: tf.constant(TASKS[ctx.replica_id_in_sync_group])
@@ -95,12 +95,12 @@ def mirrored(strategy: Any, name: str, compiled: bool) -> List[Any]:
 
     def step(x: Any) -> Any:
         with AssignAwareTape() as outer:
-            val = _loop(optimizer, w, [x], steps_of(name))
+            val = _loop(optimizer, w, [x], steps)
         return outer.gradient(val, [lr, w])
 
     d_lr, d_w = strategy.run(tf.function(step) if compiled else step, args=(xs,))
     lrs, ws = strategy.experimental_local_results(d_lr), strategy.experimental_local_results(d_w)
-    if any(g is None for g in lrs + ws):
+    if len(lrs) != len(TASKS) or any(g is None for g in lrs + ws):
         raise AssertionError(f"a replica's meta-gradient is None: {lrs}, {ws}")
     return [
         sum(float(g) for g in lrs),
@@ -109,17 +109,23 @@ def mirrored(strategy: Any, name: str, compiled: bool) -> List[Any]:
     ]
 
 
-def main() -> None:
+def report(cases: Callable[[Any], Dict[str, Tuple[Callable[[], Any], int]]], rewrites: Callable[[], Dict[str, Any]]) -> None:
+    """Prints ``rewrites()`` with, for each case of ``cases(lr)``, one device's
+    results and MirroredStrategy's on two logical CPUs, eager and compiled."""
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    names = sys.argv[1:] or list(inner_loop_optimizers(None))
-    out: Dict[str, Any] = {"rewrite_SGD_momentum": sgd_momentum_rewrite()}
-    for name in names:
-        out[name] = {"single": single_device(name)}
+    out = rewrites()
+    for name, (_, steps) in cases(None).items():
+        make = lambda lr: cases(lr)[name][0]()  # noqa: E731
+        out[name] = {"single": single_device(make, steps)}
         for mode in ("eager", "compiled"):
-            out[name][mode] = _outcome(lambda: mirrored(strategy, name, mode == "compiled"))
+            out[name][mode] = _outcome(lambda: mirrored(strategy, make, steps, mode == "compiled"))
     print(json.dumps(out))
+
+
+def main() -> None:
+    report(inner_loop_optimizers, lambda: {"rewrite_SGD_momentum": sgd_momentum_rewrite()})
 
 
 if __name__ == "__main__":
