@@ -142,6 +142,18 @@ def test_multi_worker_mirrored_strategy_on_loopback():
                 )
                 for g in got:
                     np.testing.assert_allclose(g["result"][step][2][0], w1, rtol=1e-6, err_msg=label)
+    # Keras 3's LossScaleOptimizer across the workers (its update in a
+    # merge_call's own call_for_each_replica): eager, the workers'
+    # meta-gradients sum to the rewrite's (were first-order, d/d lr None);
+    # compiled, refused with the way out.
+    rewrite = results[0]["rewrite_loss_scale"]
+    got = [r["loss_scale"]["eager"] for r in results]
+    assert all("result" in g for g in got), got
+    np.testing.assert_allclose(sum(g["result"][0] for g in got), rewrite[0], rtol=1e-5)
+    np.testing.assert_allclose(np.sum([g["result"][1] for g in got], axis=0), rewrite[1], rtol=1e-5, atol=1e-6)
+    for r in results:
+        refused = r["loss_scale"]["compiled"]
+        assert refused.get("error") == "UntrackedWriteError" and "run_functions_eagerly" in refused["message"], refused
 
 
 def test_mirrored_variable_kinds_and_aggregations():

@@ -100,7 +100,7 @@ def mirrored(strategy: Any, make: Callable[[Any], Any], steps: int, compiled: bo
 
     d_lr, d_w = strategy.run(tf.function(step) if compiled else step, args=(xs,))
     lrs, ws = strategy.experimental_local_results(d_lr), strategy.experimental_local_results(d_w)
-    if len(lrs) != len(TASKS) or any(g is None for g in lrs + ws):
+    if any(g is None for g in lrs + ws):
         raise AssertionError(f"a replica's meta-gradient is None: {lrs}, {ws}")
     return [
         sum(float(g) for g in lrs),
