@@ -80,8 +80,14 @@ def replica_thread_run(wrapped: Callable[..., Any], instance: Any, args: Any, kw
         # the context it was made in) is differentiated in the replica's
         # thread, where only its own context may merge_call. The context keeps
         # no thread of its own: its merge_call pauses the calling thread.
-        with replica_context, _versions.acting_for(scope, list(replicas.values())):
-            return main_fn(*a, **k)
+        # (Its mode pushed, not the context entered: entering would keep this
+        # thread's summary state on the context, for the replica to restore.)
+        distribute_lib._push_per_thread_mode(replica_context._thread_context)
+        try:
+            with _versions.acting_for(scope, list(replicas.values())):
+                return main_fn(*a, **k)
+        finally:
+            distribute_lib._pop_per_thread_mode()
 
     instance.main_fn = as_its_replica
     return wrapped(*args, **kwargs)

@@ -104,7 +104,10 @@ BaseResourceVariable = resource_variable_ops.BaseResourceVariable
 # ``_tfmw_wrapped_module`` and ``_fastdict_insert`` (tf.compat.v1.raw_ops);
 # MirroredStrategy's replica threads' ``replica_id``, ``distribution``, ``done``
 # and ``should_run`` (mirrored_run._MirroredReplicaThread: which replica of which
-# strategy, paused in merge_call, a cross-replica update is for).
+# strategy, paused in merge_call, a cross-replica update is for; and, for one a
+# merge_call starts, ``main_fn``, ``in_eager`` and ``graph``), and a
+# ReplicaContext's ``_thread_context`` (the mode a merge_call's own replica
+# threads run in: their replica's).
 PRIVATE: List[Tuple[Any, str, str]] = [
     (BaseResourceVariable, "handle", "every read path gets the variable's handle here"),
     (ops.EagerTensor, "_copy_nograd", "a new version of an eager handle without an op"),
@@ -128,6 +131,8 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (distribute_lib, "get_update_replica_id", "the replica a component's update is for"),
     (distribute_lib.StrategyExtendedV2, "_container_strategy", "whose replicas a cross-replica update is for"),
     (mirrored_run, "_MirroredReplicaThread", "replica threads a merge_call starts run as their replica"),
+    (distribute_lib, "_push_per_thread_mode", "a merge_call's replica threads in their replica's context"),
+    (distribute_lib, "_pop_per_thread_mode", "a merge_call's replica threads in their replica's context"),
     (eager_tape, "push_tape", "recording a replica's update on its tapes, in merge_call"),
     (eager_tape, "pop_tape", "recording a replica's update on its tapes, in merge_call"),
     (pywrap_tfe, "TFE_Py_TapeSetShouldRecordBackprop", "whether a replica's tapes watch a value"),
