@@ -110,7 +110,7 @@ def symbolic_version(var: Any, old: Any, write_result: Any, inputs: List[Any], b
     handle = outputs[0]
     handle.op._assigntape_backward = backward
     handle_data_util.copy_handle_data(old, handle)
-    return handle
+    return _versions.same_handle_attributes(old, handle)
 
 
 def _is_branch_version(op: Any) -> bool:
@@ -179,6 +179,7 @@ def _version_handle(branch: Any, var: Any, value: Any, after: Optional[Any], tap
         "AssigntapeBranchVersion", [handle], [value if taped is None else taped], lambda g: [g], forward_function=lambda t: [t]
     )
     handle_data_util.copy_handle_data(root, handle)
+    _versions.same_handle_attributes(root, handle)
     branch.scope.owners[id(handle)] = var
     return handle
 

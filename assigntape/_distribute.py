@@ -34,6 +34,7 @@ from assigntape import _versions
 from assigntape._errors import UntrackedWriteError
 from assigntape._tf import (
     ALL_REDUCE_MERGE_FN,
+    REPLICA_MERGE_CALL,
     V1_OPTIMIZER_FINISH,
     V1_OPTIMIZER_UPDATE,
     array_ops,
@@ -48,7 +49,59 @@ from assigntape._tf import (
 )
 from assigntape._wrapping import bind
 
-__all__ = ["aggregated_write", "cross_replica_reduce", "distributed_update", "non_slot_update"]
+__all__ = ["aggregated_write", "cross_replica_reduce", "distributed_update", "non_slot_update", "replica_thread_run"]
+
+
+def replica_thread_run(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``mirrored_run._MirroredReplicaThread.run``: a replica thread, run as the
+    replica it stands for when a ``merge_call`` starts it.
+
+    A ``merge_call`` function may call ``call_for_each_replica`` itself (Keras
+    3's ``LossScaleOptimizer`` unscales the gradients and steps its inner
+    optimizer so): a second set of replica threads, while the first, whose
+    tapes are open, wait in ``merge_call``. What each computes (the unscaled
+    gradients, the learning rate, the update) is that replica's, so it runs
+    as that replica (``_versions.acting_for``): on its versions, recorded on
+    its tapes, and its own ``merge_call`` updates act for it as any
+    cross-replica update does. A thread in another graph than its replica's
+    tape (a ``tf.cond`` built in ``merge_call``, compiled) runs plainly; its
+    writes are then refused by ``distributed_update``.
+    """
+    replicas = _versions.replica_scopes(instance.distribution, any_graph=True)
+    scope = replicas.get(instance.replica_id)
+    replica_context = None if scope is None else _waiting_replica_context(scope.thread)
+    if replica_context is None or scope.key is not (None if instance.in_eager else instance.graph):
+        return wrapped(*args, **kwargs)
+    main_fn = instance.main_fn
+
+    def as_its_replica(*a: Any, **k: Any) -> Any:
+        # In the replica's own ReplicaContext, not the one this thread made:
+        # what it records (an all-reduce's gradient, which merge_calls through
+        # the context it was made in) is differentiated in the replica's
+        # thread, where only its own context may merge_call. The context keeps
+        # no thread of its own: its merge_call pauses the calling thread.
+        # (Its mode pushed, not the context entered: entering would keep this
+        # thread's summary state on the context, for the replica to restore.)
+        distribute_lib._push_per_thread_mode(replica_context._thread_context)
+        try:
+            with _versions.acting_for(scope, list(replicas.values())):
+                return main_fn(*a, **k)
+        finally:
+            distribute_lib._pop_per_thread_mode()
+
+    instance.main_fn = as_its_replica
+    return wrapped(*args, **kwargs)
+
+
+def _waiting_replica_context(thread: int) -> Any:
+    """The ``ReplicaContext`` whose ``merge_call`` the replica thread
+    ``thread`` (its ident) is waiting in, else None."""
+    frame = sys._current_frames().get(thread)
+    while frame is not None:
+        if frame.f_code is REPLICA_MERGE_CALL:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
 
 
 def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -66,9 +119,18 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     """
     arguments = bind(("var", "fn", "args", "kwargs", "group"), args, kwargs)
     var = arguments["var"]
-    if not (_versions.differentiable(var) and _versions.open_elsewhere()):
+    strategy = instance._container_strategy()
+    if not (
+        _versions.differentiable(var)
+        and _versions.open_elsewhere()
+        # Made on behalf of replicas with a tape open: some of this strategy's
+        # replica threads are paused in merge_call (in whatever graph). Else it
+        # is this thread's own write (a Keras step with no strategy beside
+        # another thread's tape), which the write ops follow or refuse.
+        and _versions.replica_scopes(strategy, any_graph=True)
+    ):
         return wrapped(*args, **kwargs)
-    replicas = _versions.replica_scopes()
+    replicas = _versions.replica_scopes(strategy)
     components = getattr(var, "values", ())
     aggregation = getattr(var, "aggregation", None)
     if (
@@ -103,26 +165,7 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     # Refused (or cut) whenever a tape is open in a replica, whether it has
     # read the variable yet or not: one that reads it later would read the
     # updated value and credit the version from before the update.
-    if getattr(aggregation, "name", None) == "NONE" or isinstance(var, distribute_values.SyncOnReadVariable):
-        why = (
-            "made where no replica's tape can be matched to each component (in merge_call, "
-            "inside a tf.cond or loop built there, as a compiled dynamic LossScaleOptimizer "
-            "updates its loss scale), "
-        )
-    else:
-        why = "its value aggregated outside the replicas' tapes (merge_call), "
-    message = (
-        f"A cross-replica update of variable {var.name!r} (aggregation "
-        f"{getattr(aggregation, 'name', aggregation)}), while an AssignAwareTape is open "
-        f"in a replica: {why}"
-        "so reads after it would credit the version from before, a silently wrong "
-        "gradient. Aggregated updates come from writes in replica context to a "
-        "MirroredVariable whose aggregation is not NONE. Inside the tape, write per "
-        "replica instead: aggregation=NONE (each replica writes its own component) or "
-        "synchronization=ON_READ, with assign / assign_sub, and all-reduce the values "
-        "yourself (tf.distribute.get_replica_context().all_reduce); Keras optimizer "
-        "steps in replica context work."
-    )
+    message = _unmatched_update_message(var, aggregation, bool(components), bool(replicas))
     scopes = [replicas[i] for i in sorted(replicas)]
     if not components or sorted(replicas) != list(range(len(components))):
         # No way to name each replica's component: nothing to cut.
@@ -138,13 +181,60 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     return result
 
 
+# What works instead of an update no replica's tape can own: shared by the
+# refusals of updates and of reductions to one device.
+_ONE_COPY = (
+    "The variable is one copy for all replicas (CentralStorageStrategy keeps it on one device), "
+    "updated once in merge_call from the replicas' reduced values: no replica's tape can own "
+    "that update. Differentiate the step in cross-replica context instead (the tape and the "
+    "writes outside strategy.run, which works under CentralStorageStrategy), or use "
+    "MirroredStrategy, whose optimizer steps in replica context are differentiated per replica."
+)
+
+
+def _unmatched_update_message(var: Any, aggregation: Any, has_components: bool, matched: bool) -> str:
+    """Why a cross-replica update made for replicas with an open tape cannot
+    be made a version on their tapes, and what works instead (``matched``:
+    the replicas' tapes are in the graph being built here)."""
+    head = (
+        f"A cross-replica update of variable {var.name!r} (aggregation "
+        f"{getattr(aggregation, 'name', aggregation)}), while AssignAwareTapes are open in the "
+        "replicas: it cannot be made a version on their tapes, and reads after it would credit "
+        "the version from before, a silently wrong gradient. "
+    )
+    if not has_components:
+        return head + _ONE_COPY
+    if not matched:
+        return head + (
+            "It is made inside a tf.cond or loop built in merge_call, where no replica's tape can "
+            "be matched to each component: a compiled Keras 3 LossScaleOptimizer steps its inner "
+            "optimizer there, a compiled dynamic tf_keras LossScaleOptimizer updates its loss "
+            "scale there. Run the step eagerly, where it is differentiated: strategy.run of a "
+            "Python function, not a tf.function (or tf.config.run_functions_eagerly(True) for "
+            "code you do not own); or use an optimizer without loss scaling inside the tape."
+        )
+    if getattr(aggregation, "name", None) == "NONE" or isinstance(var, distribute_values.SyncOnReadVariable):
+        return head + (
+            "It is made in merge_call with fewer replicas with an open tape than components: "
+            "open the tape in every replica."
+        )
+    return head + (
+        "Its value is aggregated outside the replicas' tapes (a merge_call of your own that "
+        "updates a MirroredVariable whose aggregation is not NONE). Inside the tape, write per "
+        "replica instead: aggregation=NONE (each replica writes its own component) or "
+        "synchronization=ON_READ, with assign / assign_sub, and all-reduce the values yourself "
+        "(tf.distribute.get_replica_context().all_reduce). Keras optimizer steps in replica "
+        "context under MirroredStrategy are differentiated."
+    )
+
+
 def non_slot_update(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``StrategyExtendedV1.update_non_slot``: a ``tf.compat.v1.train``
     optimizer's update of its own variables (Adam's powers of the betas), on
     each device in turn, in merge_call. Each device's update runs as its
     replica, like a component's in ``distributed_update``, with the
     optimizer's coefficients computed again as that replica."""
-    replicas = _versions.replica_scopes() if _versions.open_elsewhere() else {}
+    replicas = _versions.replica_scopes(instance._container_strategy()) if _versions.open_elsewhere() else {}
     if not replicas:
         return wrapped(*args, **kwargs)
     arguments = bind(("colocate_with", "fn", "args", "kwargs", "group"), args, kwargs)
@@ -220,7 +310,7 @@ def cross_replica_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, 
     too, under a custom gradient of its own that the tapes follow already: left
     alone. A reduction to one device, or of ``IndexedSlices``, is refused.
     """
-    replicas = _versions.replica_scopes() if _versions.open_elsewhere() else {}
+    replicas = _versions.replica_scopes(instance._container_strategy()) if _versions.open_elsewhere() else {}
     if not replicas:
         return wrapped(*args, **kwargs)
     batched = wrapped.__name__ == "batch_reduce_to"
@@ -251,11 +341,11 @@ def cross_replica_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, 
             raise UntrackedWriteError(
                 f"A cross-replica reduction ({wrapped.__name__}, in merge_call) toward "
                 f"{getattr(destination, 'name', destination)!r} of values an AssignAwareTape "
-                "open in the replicas recorded, to one device (an aggregated variable's write "
-                "under CentralStorageStrategy): its result cannot be linked to each replica's "
-                "tape, so anything computed from it would lose its gradient path, a silently "
-                "wrong gradient. Reduce in replica context instead "
-                "(tf.distribute.get_replica_context().all_reduce)."
+                "open in the replicas recorded, to one device: its result cannot be linked to "
+                "each replica's tape, so anything computed from it would lose its gradient path, "
+                "a silently wrong gradient. A reduction of your own: reduce in replica context "
+                "instead (tf.distribute.get_replica_context().all_reduce). An optimizer's step: "
+                + _ONE_COPY
             )
         new = []
         for replica, (part, component) in enumerate(zip(parts, components)):

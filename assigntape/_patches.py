@@ -37,7 +37,7 @@ from assigntape._tf import (
     cond_v2,
     distribute_lib,
     distribute_values,
-    distribute_utils,
+    mirrored_run,
     eager_tape,
     forwardprop,
     gen_array_ops,
@@ -51,7 +51,6 @@ from assigntape._tf import (
     standard_ops,
     state_ops,
     tpu_ops,
-    v1_optimizer,
     while_v2,
 )
 
@@ -199,26 +198,6 @@ def _build_wrappers() -> None:
     _groups[:] = by_owner.values()
 
 
-def _v1_slot_key(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``tf.compat.v1`` optimizers' ``_var_key``: the key of a variable's slots.
-
-    TensorFlow keys a variable by its op where it has one, else by its unique
-    id. In a tape's graph a written variable answers ``_handle``, and so
-    ``op``, with its current version, a graph tensor, while its slots were
-    keyed when made (eagerly, in ``init_scope``) by its unique id: the next
-    step would not find them. Key an eager variable by its unique id, as with
-    no tape.
-    """
-    var = args[0] if args else kwargs["var"]
-    if (
-        isinstance(var, resource_variable_ops.BaseResourceVariable)
-        and distribute_utils.value_container(var) is var
-        and isinstance(var.__dict__.get("_handle"), ops.EagerTensor)
-    ):
-        return var._unique_id
-    return wrapped(*args, **kwargs)
-
-
 def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
     """The patches besides the op wrappers: (owner, attribute, wrapper function)."""
     return [
@@ -243,6 +222,9 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (distribute_lib.StrategyExtendedV2, "reduce_to", _distribute.cross_replica_reduce),
         (distribute_lib.StrategyExtendedV2, "batch_reduce_to", _distribute.cross_replica_reduce),
         (distribute_lib.StrategyExtendedV1, "update_non_slot", _distribute.non_slot_update),
+        # Replica threads that a merge_call's own call_for_each_replica starts
+        # (Keras 3's LossScaleOptimizer) run as their replica (_distribute).
+        (mirrored_run._MirroredReplicaThread, "run", _distribute.replica_thread_run),
         # MirroredVariable's replica-context write, which TensorFlow calls
         # through the module attribute.
         (distribute_values, "_on_write_update_replica", _distribute.aggregated_write),
@@ -257,9 +239,6 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (forwardprop.ForwardAccumulator, "__enter__", _plain_tapes.accumulator_enter),
         (forwardprop.ForwardAccumulator, "__exit__", _plain_tapes.accumulator_exit),
         (forwardprop.ForwardAccumulator, "jvp", _plain_tapes.accumulator_jvp),
-        # The slots of tf.compat.v1 optimizers, whose fused kernels are
-        # differentiated (_fused), found again after a write in a tape's graph.
-        (v1_optimizer, "_var_key", _v1_slot_key),
         # tf.cond and graph loops, which TensorFlow calls through the module
         # attributes (_control_flow).
         (cond_v2, "cond_v2", _control_flow.cond),

@@ -85,11 +85,24 @@ def _negate(g: Any) -> Any:
     return math_ops.negative(g)
 
 
-def _unbroadcast(g: Any, like: Any) -> Any:
-    """Sums ``g`` down to the shape of ``like``, which was broadcast to ``g``'s."""
+def _unbroadcast(g: Any, like: Any, lead: int = 0) -> Any:
+    """Sums ``g`` down to the shape of ``like``, which was broadcast to ``g``'s.
+    Their first ``lead`` dimensions are the same (a scatter's rows, one per
+    index: never broadcast)."""
     like = ops.convert_to_tensor(like)
     if g.shape.is_fully_defined() and g.shape == like.shape:
         return g
+    g_rest, like_rest = g.shape[lead:], like.shape[lead:]
+    pad = g_rest.rank - like_rest.rank if g_rest.rank is not None and like_rest.rank is not None else -1
+    if g_rest.is_fully_defined() and like_rest.is_fully_defined() and pad >= 0 and not (pad and lead):
+        # Known shapes: the axes in Python, and no shape arithmetic in the
+        # graph, which XLA cannot compile where the number of rows is dynamic
+        # (indices from tf.unique, the sparse path of the legacy Adam family).
+        padded = [1] * pad + like_rest.as_list()
+        axes = [lead + i for i, (n, m) in enumerate(zip(g_rest.as_list(), padded)) if m == 1 and n != 1]
+        summed = math_ops.reduce_sum(g, axes, keepdims=True) if axes else g
+        # (With pad, ``lead`` is 0: ``like``'s whole shape is known.)
+        return array_ops.reshape(summed, like_rest) if pad else summed
     g_shape, like_shape = array_ops.shape(g), array_ops.shape(like)
     _, axes = gen_array_ops.broadcast_gradient_args(g_shape, like_shape)
     return array_ops.reshape(math_ops.reduce_sum(g, axes), like_shape)
@@ -317,18 +330,21 @@ def _scatter(combine: str, nd_form: bool) -> Rule:
             _repeated(var, array_ops.reshape(idx, [-1, idx.shape[-1]])), array_ops.shape(idx)[:-1]
         )
 
+        # The dimensions of the written rows, one per index, which the ops never broadcast.
+        lead = 0 if idx.shape.rank is None else idx.shape.rank - 1
+
         def backward(g: Any) -> List[Any]:
             g = _dense(g)
             g_rows = gather_rows(g, idx)
             if additive:
-                return [g, _unbroadcast(g_rows if combine == "add" else -g_rows, updates)]
+                return [g, _unbroadcast(g_rows if combine == "add" else -g_rows, updates, lead)]
             if vjp is None or rows is None:  # update: the written rows forget the old ones
                 g_kept, g_u = array_ops.zeros_like(g_rows), g_rows
             else:
                 g_kept, g_u = vjp(rows, _broadcast(updates, rows), g_rows)
             if repeated is not None:
                 g_kept, g_u = _nan_where(repeated, g_kept), _nan_where(repeated, g_u)
-            return [gen_array_ops.tensor_scatter_update(g, idx, g_kept), _unbroadcast(g_u, updates)]
+            return [gen_array_ops.tensor_scatter_update(g, idx, g_kept), _unbroadcast(g_u, updates, lead)]
 
         return Write([old, updates], backward, True, checks)
 

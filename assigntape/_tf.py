@@ -31,6 +31,8 @@ try:
     # Strategies' update(), and the container a distributed component belongs to.
     from tensorflow.python.distribute import distribute_lib, distribute_utils
     from tensorflow.python.distribute import values as distribute_values
+    # MirroredStrategy's replica threads (a merge_call's own call_for_each_replica).
+    from tensorflow.python.distribute import mirrored_run
     # Parameter servers' partitioned variables, which no tape takes as a whole.
     from tensorflow.python.distribute.sharded_variable import ShardedVariable
     # GradientTape, ForwardAccumulator, eager context, recording ops on tapes,
@@ -100,9 +102,12 @@ BaseResourceVariable = resource_variable_ops.BaseResourceVariable
 # (``executing_eagerly``), tf_keras' ``AutoCastVariable``
 # (``_variable``) and ``AggregatingVariable`` (``_v``); a TFModuleWrapper's
 # ``_tfmw_wrapped_module`` and ``_fastdict_insert`` (tf.compat.v1.raw_ops);
-# MirroredStrategy's replica threads' ``replica_id``, ``done`` and
-# ``should_run`` (mirrored_run._MirroredReplicaThread: which replica, paused in
-# merge_call, a cross-replica update is for).
+# MirroredStrategy's replica threads' ``replica_id``, ``distribution``, ``done``
+# and ``should_run`` (mirrored_run._MirroredReplicaThread: which replica of which
+# strategy, paused in merge_call, a cross-replica update is for; and, for one a
+# merge_call starts, ``main_fn``, ``in_eager`` and ``graph``), and a
+# ReplicaContext's ``_thread_context`` (the mode a merge_call's own replica
+# threads run in: their replica's).
 PRIVATE: List[Tuple[Any, str, str]] = [
     (BaseResourceVariable, "handle", "every read path gets the variable's handle here"),
     (ops.EagerTensor, "_copy_nograd", "a new version of an eager handle without an op"),
@@ -119,12 +124,15 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (backprop.GradientTape, "_pop_tape", "pausing one tape while recording on others"),
     (backprop.GradientTape, "_ensure_recording", "reading a version on a plain tape"),
     (eager_tape, "variable_accessed", "refusing reads of variables written unseen"),
-    (v1_optimizer, "_var_key", "tf.compat.v1 slots found again after a write"),
     (distribute_lib.StrategyExtendedV2, "update", "cross-replica updates"),
     (distribute_lib.StrategyExtendedV1, "update_non_slot", "tf.compat.v1 optimizers' non-slot updates"),
     (distribute_lib.StrategyExtendedV2, "reduce_to", "reductions in merge_call, linked on the replicas' tapes"),
     (distribute_lib.StrategyExtendedV2, "batch_reduce_to", "reductions in merge_call, linked on the replicas' tapes"),
     (distribute_lib, "get_update_replica_id", "the replica a component's update is for"),
+    (distribute_lib.StrategyExtendedV2, "_container_strategy", "whose replicas a cross-replica update is for"),
+    (mirrored_run, "_MirroredReplicaThread", "replica threads a merge_call starts run as their replica"),
+    (distribute_lib, "_push_per_thread_mode", "a merge_call's replica threads in their replica's context"),
+    (distribute_lib, "_pop_per_thread_mode", "a merge_call's replica threads in their replica's context"),
     (eager_tape, "push_tape", "recording a replica's update on its tapes, in merge_call"),
     (eager_tape, "pop_tape", "recording a replica's update on its tapes, in merge_call"),
     (pywrap_tfe, "TFE_Py_TapeSetShouldRecordBackprop", "whether a replica's tapes watch a value"),
@@ -135,6 +143,8 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (pywrap_tfe, "TFE_Py_TapeSetIsStopped", "whether a write is recorded"),
     (context, "_context", "executing_eagerly() without two Python calls, on every variable read"),
     (pywrap_tfe, "TFE_Py_PackJVPs", "whether a write's inputs carry tangents"),
+    (pywrap_tfe, "TFE_Py_ForwardAccumulatorSetAdd", "a replica's accumulators record its update, in merge_call"),
+    (pywrap_tfe, "TFE_Py_ForwardAccumulatorSetRemove", "a replica's accumulators record its update, in merge_call"),
     (record, "record_operation_backprop_only", "a write's version on reverse tapes"),
     (record, "record_operation_forwardprop_only", "a write's version on accumulators"),
     (forwardprop, "_jvp_dispatch", "TensorFlow's jvp function, which ours calls for all but Sqrt at 0 (_jvp)"),
@@ -167,6 +177,11 @@ def _inner_code(function: Any, name: str) -> Any:
 # cross-replica context under a custom gradient of TensorFlow's own: the
 # replicas' tapes already follow it (``_distribute.cross_replica_reduce``).
 ALL_REDUCE_MERGE_FN = _inner_code(distribute_lib.ReplicaContext.all_reduce, "batch_all_reduce")
+
+# ReplicaContext.merge_call, where a replica thread waits while its merge_call
+# function runs: the frame that holds the replica's own ReplicaContext
+# (``_distribute.replica_thread_run``).
+REPLICA_MERGE_CALL = distribute_lib.ReplicaContext.merge_call.__code__
 
 # tf.compat.v1.train optimizers' update function and the function that
 # updates their non-slot variables (``_finish``), in their _distributed_apply.
@@ -207,10 +222,10 @@ def executing_eagerly() -> bool:
     return eager
 
 __all__ = [
-    "SUPPORTED", "PRIVATE", "ALL_REDUCE_MERGE_FN", "V1_OPTIMIZER_FINISH", "V1_OPTIMIZER_UPDATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph", "ShardedVariable",
+    "SUPPORTED", "PRIVATE", "ALL_REDUCE_MERGE_FN", "REPLICA_MERGE_CALL", "V1_OPTIMIZER_FINISH", "V1_OPTIMIZER_UPDATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph", "ShardedVariable",
     "UnliftedInitializerVariable",
     "UnconnectedGradients", "array_ops", "attr_value_pb2", "auto_control_deps", "backprop", "check_ops", "composite_tensor",
-    "cond_v2", "config", "config_lib", "context", "control_flow_util", "default_gradient", "distribute_lib", "distribute_utils", "distribute_values",
+    "cond_v2", "config", "config_lib", "context", "control_flow_util", "default_gradient", "distribute_lib", "distribute_utils", "distribute_values", "mirrored_run",
     "dtypes", "eager_tape", "executing_eagerly", "forwardprop", "gen_array_ops", "gen_resource_variable_ops", "gen_state_ops",
     "gen_training_ops", "gradients_util", "handle_data_util", "indexed_slices", "math_ops", "nest", "ops", "profiler_trace", "pywrap_tfe",
     "record", "resource_variable_ops", "standard_ops", "state_ops", "tensor_array_ops", "tensor_conversion_registry", "tensor_lib",

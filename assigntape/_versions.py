@@ -67,6 +67,7 @@ __all__ = [
     "canonical_handle",
     "differentiable",
     "new_version",
+    "same_handle_attributes",
 ]
 
 _tls: Any = threading.local()  # per thread: scopes, plain, merging, constructing, ...
@@ -567,10 +568,13 @@ def _other_threads() -> List[Scope]:
         return [scope for scope in _all_scopes if scope.thread != me and scope not in merging]
 
 
-def replica_scopes() -> Dict[int, Scope]:
-    """The scopes open in ``MirroredStrategy`` replica threads, in the graph
-    being built here (or eagerly), by the replica's local id: the replicas
-    whose ``merge_call`` is running here, in the main thread."""
+def replica_scopes(strategy: Any, any_graph: bool = False) -> Dict[int, Scope]:
+    """The scopes open in ``strategy``'s replica threads (``MirroredStrategy``'s,
+    and its subclasses'), paused in ``merge_call``, by the replica's local id:
+    the replicas whose ``merge_call`` is running here, in the main thread.
+    Only those in the graph being built here (or eagerly), unless
+    ``any_graph``. A thread of another strategy, or of none, is no replica of
+    this one: its tapes are its own (a plain thread's update is a plain write)."""
     key = current_key()
     threads = {t.ident: t for t in threading.enumerate()}
     found: Dict[int, Scope] = {}
@@ -582,7 +586,13 @@ def replica_scopes() -> Dict[int, Scope]:
         # A replica thread (mirrored_run._MirroredReplicaThread) paused in
         # merge_call: not done, and waiting for its should_run event.
         paused = not getattr(thread, "done", True) and not getattr(thread, "should_run", _SET).is_set()
-        if scope.key is key and isinstance(replica, int) and paused and scope.records:
+        if (
+            (any_graph or scope.key is key)
+            and isinstance(replica, int)
+            and getattr(thread, "distribution", None) is strategy
+            and paused
+            and scope.records
+        ):
             found[replica] = scope
     return found
 
@@ -603,8 +613,11 @@ def _recording_tapes(scope: Scope) -> List[Any]:
     tapes = [t for t in (r.recording_tape() for r in scope.records) if t is not None]
     for ref, key in _plain_by_thread.get(scope.thread, ()):
         tape = ref()
-        if tape is not None and key is scope.key and tape._recording and tape._tape not in tapes:
-            tapes.append(tape._tape)
+        # The thread's ForwardAccumulators are noted there too: they have no
+        # tape (TensorFlow's accumulators are not on the tape stack).
+        inner = getattr(tape, "_tape", None)
+        if inner is not None and key is scope.key and tape._recording and inner not in tapes:
+            tapes.append(inner)
     return tapes
 
 
@@ -659,18 +672,36 @@ def refuse_foreign_inputs(var: Any, op_name: str, tensors: Sequence[Any]) -> Non
 def acting_for(scope: Scope, merging: Sequence[Scope]) -> Iterator[None]:
     """Runs the block in this thread as if in ``scope``'s (a replica thread
     paused in ``merge_call``, with the others of ``merging``): its versions
-    are served and advanced, and its recording tapes record the block's ops."""
+    are served and advanced, and its recording tapes and forward accumulators
+    record the block's ops (TensorFlow keeps both sets per thread)."""
     saved = getattr(_tls, "scopes", None), getattr(_tls, "merging", ())
     _tls.scopes, _tls.merging = {scope.key: scope}, tuple(merging)
     recording = _recording_tapes(scope)
+    accumulators = _recording_accumulators(scope)
     for tape in recording:
         eager_tape.push_tape(tape)
+    for accumulator in accumulators:
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator)
     try:
         yield
     finally:
+        for accumulator in reversed(accumulators):
+            pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(accumulator)
         for tape in reversed(recording):
             eager_tape.pop_tape(tape)
         _tls.scopes, _tls.merging = saved
+
+
+def _recording_accumulators(scope: Scope) -> List[Any]:
+    """TensorFlow's accumulator objects recording in ``scope``'s thread and
+    graph (its ``ForwardAccumulator``s, entered first first), for ``acting_for``."""
+    found = []
+    for ref, key in _plain_by_thread.get(scope.thread, ()):
+        accumulator = ref()
+        inner = getattr(accumulator, "_accumulator", None)
+        if inner is not None and key is scope.key and accumulator._recording:
+            found.append(inner)
+    return found
 
 
 def open_elsewhere() -> bool:
@@ -1389,6 +1420,30 @@ class HandleDescriptor:
 
 _READING = HandleDescriptor()
 served.append((_BASE_VARIABLE, "_handle", _READING, None))
+
+
+def _of_own_handle(name: str, original: Any) -> property:
+    """``BaseResourceVariable.<name>`` (``op``, ``graph``, ``device``), which
+    TensorFlow derives from ``v.handle``, taken from the variable's own handle
+    while versions are served: a variable is the same variable after a write.
+    Through a version, a variable written in a ``tf.function`` would have an
+    ``op`` (the version's identity) where TensorFlow raises AttributeError
+    (an eager handle has none), and slot lookups keyed by it
+    (``tf.compat.v1.train``'s ``_var_key``) would not find the slots made
+    for the variable."""
+
+    def get(self: Any) -> Any:
+        own = self.__dict__.get("_handle")
+        if own is None:  # a wrapper with no handle of its own: TensorFlow's way
+            return original.fget(self)
+        return getattr(own, name)
+
+    return property(get, original.fset, original.fdel, original.__doc__)
+
+
+for _name in ("op", "graph", "device"):
+    _original = _BASE_VARIABLE.__dict__[_name]
+    served.append((_BASE_VARIABLE, _name, _of_own_handle(_name, _original), _original))
 _UNREAD_VARIABLE = resource_variable_ops._UnreadVariable
 
 
@@ -1511,13 +1566,34 @@ def new_version(old: Any, write_result: Any) -> Any:
             handle_data = getattr(old, "_handle_data", None)
             if handle_data is not None:
                 new._handle_data = handle_data
-            return new
+            return same_handle_attributes(old, new)
     with record.stop_recording():
         if executing_eagerly() or write_result is None:
-            return array_ops.identity(old)
+            return same_handle_attributes(old, array_ops.identity(old))
         # In a graph, reads through the new handle must run after the write.
         with ops.control_dependencies([write_result]):
-            return array_ops.identity(root_handle(old))
+            return same_handle_attributes(old, array_ops.identity(root_handle(old)))
+
+
+# Python attributes TensorFlow puts on a variable's handle tensor, which code
+# that is given the variable looks up on ``v.handle``: a distributed
+# variable's component keeps its container there (``values.DistributedVariable``
+# sets it, since attributes of the variable itself, a CompositeTensor, are lost
+# through nest). Keras 3 and tf_keras optimizers find a component's slots by it.
+_HANDLE_ATTRIBUTES = ("_distributed_container",)
+
+
+def same_handle_attributes(old: Any, new: Any) -> Any:
+    """``new``, a version of the variable whose handle (or version) is ``old``,
+    given the Python attributes TensorFlow set on the variable's handle, so that
+    whatever looks them up on ``v.handle`` finds them on every version as on the
+    handle itself. Every version is made through here (``new_version``, and the
+    graph versions of ``_control_flow``)."""
+    for name in _HANDLE_ATTRIBUTES:
+        value = getattr(old, name, None)
+        if value is not None:
+            setattr(new, name, value)
+    return new
 
 
 def root_handle(handle: Any) -> Any:

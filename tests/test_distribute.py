@@ -142,6 +142,18 @@ def test_multi_worker_mirrored_strategy_on_loopback():
                 )
                 for g in got:
                     np.testing.assert_allclose(g["result"][step][2][0], w1, rtol=1e-6, err_msg=label)
+    # Keras 3's LossScaleOptimizer across the workers (its update in a
+    # merge_call's own call_for_each_replica): eager, the workers'
+    # meta-gradients sum to the rewrite's (were first-order, d/d lr None);
+    # compiled, refused with the way out.
+    rewrite = results[0]["rewrite_loss_scale"]
+    got = [r["loss_scale"]["eager"] for r in results]
+    assert all("result" in g for g in got), got
+    np.testing.assert_allclose(sum(g["result"][0] for g in got), rewrite[0], rtol=1e-5)
+    np.testing.assert_allclose(np.sum([g["result"][1] for g in got], axis=0), rewrite[1], rtol=1e-5, atol=1e-6)
+    for r in results:
+        refused = r["loss_scale"]["compiled"]
+        assert refused.get("error") == "UntrackedWriteError" and "run_functions_eagerly" in refused["message"], refused
 
 
 def test_mirrored_variable_kinds_and_aggregations():
@@ -253,6 +265,22 @@ def test_central_storage_strategy_meta_step_matches_one_device():
     refused = out["replica"]
     assert refused["error"] == "UntrackedWriteError", refused
     assert "cross-replica reduction" in refused["message"] and "'Variable:0'" in refused["message"], refused
+    # A Keras optimizer step in a replica's tape: its update is one write of
+    # the one copy, in merge_call, which no replica's tape can own. Refused,
+    # before anything is written, saying what works (it said such steps work).
+    for name, got in out["keras_step"].items():
+        refused = got.pop("replica")
+        assert isinstance(refused, dict) and refused["error"] == "UntrackedWriteError", (name, refused)
+        assert refused["w"] == CS_W0, (name, refused)
+        message = refused["message"]
+        assert "CentralStorageStrategy" in message and "cross-replica context" in message, (name, message)
+        assert "work." not in message, (name, message)
+        # What it says works: the step in cross-replica context (the rewrite's).
+        for mode in ("eager", "function"):
+            got_lr, got_w, got_w1 = got[mode]
+            np.testing.assert_allclose(got_lr, d_lr, rtol=1e-5, err_msg=f"{name} {mode}")
+            np.testing.assert_allclose(got_w, d_w, rtol=1e-5, err_msg=f"{name} {mode}")
+            np.testing.assert_allclose(got_w1, w1, rtol=1e-6, err_msg=f"{name} {mode}")
 
 
 def test_compiled_writes_to_a_variable_on_another_device():
@@ -352,3 +380,168 @@ def test_hypergradient_example_under_mirrored_strategy_equals_one_device():
         assert len(rates["mirrored"]) == len(reference), mode
         np.testing.assert_allclose(rates["one device"], reference, rtol=1e-5, err_msg=mode)
         np.testing.assert_allclose(rates["mirrored"], reference, rtol=1e-5, err_msg=mode)
+
+
+def test_inner_loop_of_optimizer_steps_with_slots_in_one_tape():
+    """Two optimizer steps with slots in ONE tape per replica (an inner loop),
+    and a single AdamW step (its weight decay writes before the update), under
+    MirroredStrategy, eager and compiled: the optimizers find their slots
+    after a write (the version handle carries ``_distributed_container``, and
+    ``v.op`` is the variable's own), and the replicas' meta-gradients sum to
+    the single-device meta-gradient of the summed objective; for Keras SGD
+    with Nesterov momentum, to the rewrite's. Were: KeyError (Keras 3),
+    AttributeError (tf_keras legacy, tf.compat.v1), before any gradient."""
+    out = _helper_output("mirrored_inner_loop")
+    rewrite = out.pop("rewrite_SGD_momentum")
+    np.testing.assert_allclose(out["SGD_momentum"]["single"][0], rewrite[0], rtol=1e-5)
+    assert len(out) == 9
+    for name, got in out.items():
+        d_lr, d_w, w1 = got["single"]
+        for mode in ("eager", "compiled"):
+            assert "result" in got[mode], (name, mode, got[mode])
+            s_lr, s_w, components = got[mode]["result"]
+            label = f"{name} {mode}"
+            np.testing.assert_allclose(s_lr, d_lr, rtol=1e-5, err_msg=label)
+            np.testing.assert_allclose(s_w, d_w, rtol=1e-5, atol=1e-6, err_msg=label)
+            for component in components:
+                np.testing.assert_allclose(component, w1, rtol=1e-6, err_msg=label)
+            if name == "SGD_momentum":  # the rewrite, not the code under test
+                np.testing.assert_allclose(s_lr, rewrite[0], rtol=1e-5, err_msg=label)
+                np.testing.assert_allclose(s_w, rewrite[1], rtol=1e-5, atol=1e-6, err_msg=label)
+                np.testing.assert_allclose(components[0], rewrite[2], rtol=1e-6, err_msg=label)
+
+
+def _hypergradient_steps(steps=3, meanwhile=lambda: None):
+    """Keras SGD(momentum=0.5) steps on w = [1, 2], loss sum(w^2), each in a tape
+    of its own: d sum(w) / d lr after each step. Hand derivation (g = 2w, the
+    slot m a variable: its value only, from the tape's start): m' = 0.5 m -
+    2 lr w, w' = w + m', so d sum(w')/d lr = -2 sum(w) = -6, then -4.8 (w =
+    0.8 w0), then -3.24 (w = 0.54 w0)."""
+    import keras
+
+    from assigntape import AssignAwareTape
+
+    w, lr = tf.Variable([1.0, 2.0]), tf.Variable(0.1)
+    optimizer = keras.optimizers.SGD(learning_rate=lambda: lr * 1.0, momentum=0.5)
+    optimizer.build([w])
+    out = []
+    for _ in range(steps):
+        with AssignAwareTape() as outer:
+            meanwhile()  # (the other thread's tape is open too)
+            with tf.GradientTape() as inner:
+                loss = tf.reduce_sum(w**2)
+            optimizer.apply_gradients([(inner.gradient(loss, w), w)])
+            val = tf.reduce_sum(w)
+        out.append(float(outer.gradient(val, lr)))
+    return out
+
+
+HYPERGRADIENTS = [-6.0, -4.8, -3.24]
+
+
+def test_a_plain_optimizer_step_beside_another_threads_tape_is_a_plain_step():
+    """No strategy: a Keras optimizer step on the main thread's own variables
+    (outside every tape here, then inside one) while another thread has a tape
+    open is this thread's write, not a cross-replica update for replicas that
+    do not exist. Was: UntrackedWriteError "cross-replica update ... in a
+    replica"."""
+    import threading
+
+    import keras
+
+    from assigntape import AssignAwareTape
+
+    opened, release = threading.Event(), threading.Event()
+
+    def holder():
+        v = tf.Variable(1.0)
+        with AssignAwareTape():
+            v.assign(v * 2.0)
+            opened.set()
+            release.wait(120)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert opened.wait(60)
+        w = tf.Variable([1.0, 2.0])
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build([w])
+        optimizer.apply_gradients([(tf.constant([1.0, 1.0]), w)])
+        np.testing.assert_allclose(w.numpy(), [0.9, 1.9], rtol=1e-6)  # plain TensorFlow
+        np.testing.assert_allclose(_hypergradient_steps(), HYPERGRADIENTS, rtol=1e-5)
+    finally:
+        release.set()
+        thread.join(60)
+
+
+def test_two_threads_each_with_a_hypergradient_step_on_their_own_variables():
+    """Two threads, no strategy, each a Keras optimizer step inside its own
+    tape: neither is taken for the other's replica. Was: UntrackedWriteError
+    in one of them."""
+    import threading
+
+    results = {}
+    both_open = threading.Barrier(2, timeout=60)
+
+    def worker(k):
+        try:
+            results[k] = _hypergradient_steps(meanwhile=both_open.wait)
+        except Exception as e:  # noqa: BLE001 - the test looks at what was raised
+            results[k] = f"{type(e).__name__}: {e}"
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for k in range(2):
+        assert not isinstance(results[k], str), results[k]
+        np.testing.assert_allclose(results[k], HYPERGRADIENTS, rtol=1e-5)
+
+
+def test_keras_loss_scale_optimizer_under_mirrored_strategy():
+    """Keras 3's LossScaleOptimizer steps its inner optimizer through
+    call_for_each_replica inside merge_call: a second set of replica threads,
+    run as their replicas. Eager, its meta-gradient is the second-order one:
+    SGD's equals the rewrite's, Adam's two steps in one tape equal one
+    device's. Was: d/d lr None, d/d w first-order only (silently). Compiled,
+    the update is made in a tf.cond built in merge_call: refused, with the
+    way out."""
+    out = _helper_output("mirrored_loss_scale")
+    rewrite = out.pop("rewrite_SGD")
+    np.testing.assert_allclose(out["SGD"]["single"][0], rewrite[0], rtol=1e-5)
+    for name, expected in (("SGD", rewrite), ("Adam", out["Adam"]["single"])):
+        got = out[name]["eager"]
+        assert "result" in got, (name, got)
+        np.testing.assert_allclose(got["result"][0], expected[0], rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(got["result"][1], expected[1], rtol=1e-5, atol=1e-6, err_msg=name)
+        compiled = out[name]["compiled"]
+        assert compiled.get("error") == "UntrackedWriteError", (name, compiled)
+        assert "LossScaleOptimizer" in compiled["message"] and "run_functions_eagerly" in compiled["message"]
+
+
+def test_forward_accumulators_in_replicas():
+    """A ForwardAccumulator in a replica around an all_reduce, an
+    AssignAwareTape inside or around it, no write: TensorFlow's results, the
+    same as with a plain tf.GradientTape. Eagerly, by hand: y = x0^2 + x1^2
+    summed over the replicas, each x = 2 with tangent 1, so jvp = 2*2 + 2*2 =
+    8, and dy/dx = 2x times the all-reduced upstream gradient (2) = 8. Was:
+    AttributeError 'ForwardAccumulator' object has no attribute '_tape'.
+    And through a Keras step in the replica, forward equals reverse."""
+    out = _helper_output("mirrored_forward")
+    # A Keras step's update, made in merge_call as each replica, is recorded
+    # on that replica's accumulators too: each replica's jvp along lr equals
+    # its reverse d/d lr, and they sum to the rewrite's (was: jvp None).
+    rewrite = out.pop("rewrite_d_lr")
+    for mode, got in out.pop("keras_step").items():
+        assert "result" in got, (mode, got)
+        for jvp, grad in got["result"]:
+            np.testing.assert_allclose(jvp, grad, rtol=1e-5, err_msg=mode)
+        np.testing.assert_allclose(sum(g for _, g in got["result"]), rewrite, rtol=1e-5, err_msg=mode)
+    for label, got in out.items():
+        assert "result" in got, (label, got)
+        if label.endswith("eager"):
+            assert got["result"] == [[8.0, 8.0], [8.0, 8.0]], (label, got)
+        if label.startswith("aware"):
+            assert got["result"] == out[label.replace("aware", "plain")]["result"], label

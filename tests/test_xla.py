@@ -486,3 +486,99 @@ def test_a_differentiated_graph_loop_in_a_branch_does_not_compile_in_tensorflow_
             _loop_in_a_branch(tape_class, write)()
     # Without jit_compile the tape's program is right: d(2 v3)/dx = 2 * 3 (1 + x)^2 at v0 = 1.
     assert float(tf.function(_loop_in_a_branch(AssignAwareTape, True).python_function)()) == pytest.approx(6 * 1.5**2)
+
+
+# Scatter writes whose indices come from tf.unique (a dynamic number of rows
+# under XLA), as the sparse path of the legacy Adam family deduplicates them:
+# the write, and its rewrite on tensors.
+UNIQUE_SCATTERS: Dict[str, Any] = {
+    "add": (lambda v, u, x: v.scatter_add(tf.IndexedSlices(x, u)), lambda t, u, x: tf.tensor_scatter_nd_add(t, u[:, None], x)),
+    "sub": (lambda v, u, x: v.scatter_sub(tf.IndexedSlices(x, u)), lambda t, u, x: tf.tensor_scatter_nd_sub(t, u[:, None], x)),
+    "nd_add": (lambda v, u, x: v.scatter_nd_add(u[:, None], x), lambda t, u, x: tf.tensor_scatter_nd_add(t, u[:, None], x)),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", sorted(UNIQUE_SCATTERS))
+def test_scatter_writes_with_indices_from_unique(kind: str, mode: str) -> None:
+    """The gradient of an additive scatter write whose indices come from
+    ``tf.unique`` of constant ids, the values summed per row
+    (``unsorted_segment_sum``): equal to the rewrite's in the same mode. Was,
+    under XLA: InvalidArgumentError ("Incompatible shapes: [3,2] vs. [2,2]")
+    in the tape's backward pass, from a shape computation on the dynamic
+    number of rows, where the rewrite compiles."""
+    write, rewrite = UNIQUE_SCATTERS[kind]
+    ids = None  # made inside the program: XLA folds tf.unique's row count differently
+
+    def rows(ids: Any, s: Any) -> Any:
+        u, idx = tf.unique(tf.constant(IDS))
+        x = tf.math.unsorted_segment_sum(tf.ones([3, 2]) * s, idx, tf.shape(u)[0])
+        return u, x
+
+    def aware(ids: Any) -> Any:
+        v, s = tf.Variable(E0), tf.Variable(0.5)
+        with AssignAwareTape() as tape:
+            u, x = rows(ids, s)
+            write(v, u, x)
+            loss = tf.reduce_sum(v**2 * tf.constant([[1.0, 2.0]]))
+        return tape.gradient(loss, [s, v], unconnected_gradients=ZERO)
+
+    def functional(ids: Any) -> Any:
+        t, s = tf.constant(E0), tf.constant(0.5)
+        with tf.GradientTape() as tape:
+            tape.watch([t, s])
+            u, x = rows(ids, s)
+            new = rewrite(t, u, x)
+            loss = tf.reduce_sum(new**2 * tf.constant([[1.0, 2.0]]))
+        return tape.gradient(loss, [s, t], unconnected_gradients=ZERO)
+
+    if mode == "eager":
+        got, expected = aware(ids), functional(ids)
+    else:
+        # Variables made on the first trace only.
+        made: Dict[str, Any] = {}
+
+        def traced(ids: Any) -> Any:
+            if not made:
+                made["v"], made["s"] = tf.Variable(E0), tf.Variable(0.5)
+            v, s = made["v"], made["s"]
+            v.assign(E0)
+            with AssignAwareTape() as tape:
+                u, x = rows(ids, s)
+                write(v, u, x)
+                loss = tf.reduce_sum(v**2 * tf.constant([[1.0, 2.0]]))
+            return tape.gradient(loss, [s, v], unconnected_gradients=ZERO)
+
+        got = tf.function(traced, jit_compile=mode == "xla")(ids)
+        expected = tf.function(functional, jit_compile=mode == "xla")(ids)
+    assert expected[0] is not None and float(expected[0]) != 0.0
+    assert_grads_close(got, expected)
+
+
+def test_legacy_adam_sparse_step_under_xla() -> None:
+    """A tf_keras legacy Adam step on an embedding's sparse gradient (its
+    sparse path deduplicates the indices with tf.unique), compiled with XLA.
+    By hand, the first Adam step moves each touched row by lr * g / |g| = lr
+    (g > 0 here; epsilon 1e-7 is negligible at this tolerance), with no
+    gradient through g / |g|: w1 = w0 - lr on rows 0 and 2. So d sum(w1^2) /
+    d lr = -2 (0.99 + 1.99 + 4.99 + 5.99) = -27.92, and d / d w0 = 2 w1 on
+    the touched rows, 2 w0 on the other. Was: InvalidArgumentError in the
+    tape's backward pass."""
+    import tf_keras
+
+    table, lr = tf.Variable([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), tf.Variable(0.01)
+    optimizer = tf_keras.optimizers.legacy.Adam(learning_rate=lambda: lr * 1.0)
+    optimizer._create_all_weights([table])
+
+    @tf.function(jit_compile=True)
+    def step() -> Any:
+        with AssignAwareTape() as outer:
+            with tf.GradientTape() as inner:
+                loss = tf.reduce_sum(tf.gather(table, [0, 2, 0]) ** 3)
+            optimizer.apply_gradients([(inner.gradient(loss, table), table)])
+            val = tf.reduce_sum(table**2)
+        return outer.gradient(val, [lr, table])
+
+    d_lr, d_table = step()
+    np.testing.assert_allclose(float(d_lr), -27.92, rtol=1e-4)
+    np.testing.assert_allclose(tf.convert_to_tensor(d_table).numpy(), [[1.98, 3.98], [6.0, 8.0], [9.98, 11.98]], rtol=1e-4)

@@ -6,6 +6,7 @@ a write in replica context raised."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Dict
@@ -30,6 +31,21 @@ def step(w: Any, lr: Any, x: Any) -> Any:
     return outer.gradient(outer_loss, [lr, w])
 
 
+def keras_step(v: Any, optimizer: Any, lr: Any, x: Any) -> Any:
+    """``step`` with the optimizer's update in place of the assign_sub."""
+    from assigntape import AssignAwareTape
+
+    from helpers.mirrored_inner_loop import _loop
+
+    with AssignAwareTape() as outer:
+        val = _loop(optimizer, v, [x], 1)
+    return outer.gradient(val, [lr, v])
+
+
+def _call(f: Any) -> Any:
+    return f()
+
+
 def main() -> None:
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -49,6 +65,23 @@ def main() -> None:
         out["replica"] = {"error": None}
     except Exception as error:  # noqa: BLE001 - reported to the test
         out["replica"] = {"error": type(error).__name__, "message": str(error)[:1500]}
+    # A Keras optimizer step (Keras 3, tf_keras legacy) in a replica's tape,
+    # and, what the refusal says works, in cross-replica context.
+    import keras
+    import tf_keras
+
+    out["keras_step"] = {}
+    for name, make in (("SGD", keras.optimizers.SGD), ("legacy_SGD", tf_keras.optimizers.legacy.SGD)):
+        for mode, run in (("replica", strategy.run), ("eager", _call), ("function", lambda f: tf.function(f)())):
+            with strategy.scope():
+                v = tf.Variable(W0)
+                optimizer = make(learning_rate=lambda: lr * 1.0)
+            try:
+                d_lr, d_w = run(functools.partial(keras_step, v, optimizer, lr, x))
+                got: Any = [float(d_lr), d_w.numpy().tolist(), v.numpy().tolist()]
+            except Exception as error:  # noqa: BLE001 - reported to the test
+                got = {"error": type(error).__name__, "message": str(error)[:1500], "w": v.numpy().tolist()}
+            out["keras_step"].setdefault(name, {})[mode] = got
     print(json.dumps(out))
 
 

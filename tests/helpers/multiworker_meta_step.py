@@ -31,6 +31,14 @@ def main() -> None:
         name: {mode: _outcome(lambda: mirrored(strategy, name, mode == "compiled")) for mode in ("eager", "compiled")}
         for name in KERAS_OPTIMIZERS
     }
+    # Keras 3's LossScaleOptimizer (SGD), one step: summed over the workers,
+    # the rewrite's meta-gradient.
+    from helpers.mirrored_inner_loop import mirrored as inner_loop
+    from helpers.mirrored_loss_scale import loss_scale_optimizers, sgd_rewrite
+
+    make = lambda lr: loss_scale_optimizers(lr)["SGD"][0]()  # noqa: E731
+    result["loss_scale"] = {mode: _outcome(lambda: inner_loop(strategy, make, 1, mode == "compiled")) for mode in ("eager", "compiled")}
+    result["rewrite_loss_scale"] = sgd_rewrite()
     print(json.dumps(result))
     sys.stdout.flush()
 
