@@ -70,9 +70,9 @@ def replica_thread_run(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     replicas = _versions.replica_scopes(instance.distribution, any_graph=True)
     scope = replicas.get(instance.replica_id)
     replica_context = None if scope is None else _waiting_replica_context(scope.thread)
-    if replica_context is None or scope.key is not (None if instance.in_eager else instance.graph):
+    if scope is None or replica_context is None or scope.key is not (None if instance.in_eager else instance.graph):
         return wrapped(*args, **kwargs)
-    main_fn = instance.main_fn
+    main_fn, its_scope = instance.main_fn, scope
 
     def as_its_replica(*a: Any, **k: Any) -> Any:
         # In the replica's own ReplicaContext, not the one this thread made:
@@ -84,7 +84,7 @@ def replica_thread_run(wrapped: Callable[..., Any], instance: Any, args: Any, kw
         # thread's summary state on the context, for the replica to restore.)
         distribute_lib._push_per_thread_mode(replica_context._thread_context)
         try:
-            with _versions.acting_for(scope, list(replicas.values())):
+            with _versions.acting_for(its_scope, list(replicas.values())):
                 return main_fn(*a, **k)
         finally:
             distribute_lib._pop_per_thread_mode()
