@@ -35,16 +35,19 @@ from assigntape._tf import (
     array_ops,
     ConcreteFunction,
     cond_v2,
+    dataset_ops,
     distribute_lib,
     distribute_values,
     distribute_utils,
     eager_tape,
     forwardprop,
     gen_array_ops,
+    gen_dataset_ops,
     gen_resource_variable_ops,
     gen_state_ops,
     gen_training_ops,
     gradients_util,
+    iterator_ops,
     ops,
     pywrap_tfe,
     resource_variable_ops,
@@ -55,7 +58,7 @@ from assigntape._tf import (
     while_v2,
 )
 
-from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _leases, _plain_tapes, _rules, _short_paths, _versions, _writes
+from assigntape import _control_flow, _datasets, _diagnostics, _distribute, _functions, _fused, _leases, _plain_tapes, _rules, _short_paths, _versions, _writes
 from assigntape._wrapping import Wrapper, patch
 
 __all__ = ["acquire", "follow_plain_tapes", "installed", "refuse_unfollowed_recorders", "release", "remove_unused", "uninstall"]
@@ -228,6 +231,13 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (resource_variable_ops.UninitializedVariable, "__init__", _versions.constructed),
         # Calls of traced functions from an eager tape (_functions).
         (ConcreteFunction, "_call_flat", _functions.call_function),
+        # Where tf.data's runtime runs a dataset's functions for the caller
+        # (_datasets); TensorFlow calls the reduce op through the module.
+        (iterator_ops.OwnedIterator, "_next_internal", _datasets.next_element),
+        (iterator_ops.OwnedIterator, "get_next_as_optional", _datasets.next_element),
+        (dataset_ops.DatasetV2, "reduce", _datasets.reduce_dataset),
+        (dataset_ops.DatasetV2, "get_single_element", _datasets.single_element),
+        (gen_dataset_ops, "reduce_dataset", _datasets.reduce_op),
         # Reads of variables written through handles no tape could name (_versions).
         (eager_tape, "variable_accessed", _versions.accessed),
         # A variable made in a tf.function's first trace initializes itself

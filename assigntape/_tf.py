@@ -33,6 +33,9 @@ try:
     from tensorflow.python.distribute import values as distribute_values
     # Parameter servers' partitioned variables, which no tape takes as a whole.
     from tensorflow.python.distribute.sharded_variable import ShardedVariable
+    # tf.data: where a dataset's functions run (iterators, reduce, single elements).
+    from tensorflow.python.data.ops import dataset_ops, iterator_ops
+    from tensorflow.python.ops import gen_dataset_ops
     # GradientTape, ForwardAccumulator, eager context, recording ops on tapes,
     # and the hook every variable read calls.
     from tensorflow.python.eager import backprop, context, forwardprop, record
@@ -150,6 +153,9 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (tensor_conversion_registry, "_tensor_conversion_func_cache", "whether variables still convert as TensorFlow registered"),
     (resource_variable_ops, "_dense_var_to_tensor", "the conversion TensorFlow registered for variables"),
     (BaseResourceVariable, "_dense_var_to_tensor", "what that conversion calls, ending in value()"),
+    (dataset_ops.DatasetV2, "_inputs", "the datasets whose functions an iterator runs"),
+    (dataset_ops.DatasetV2, "_functions", "the functions a dataset runs, which may write variables"),
+    (iterator_ops.OwnedIterator, "_next_internal", "a dataset's functions run at each element"),
 ]
 
 
@@ -206,7 +212,7 @@ __all__ = [
     "SUPPORTED", "PRIVATE", "ALL_REDUCE_MERGE_FN", "V1_OPTIMIZER_FINISH", "V1_OPTIMIZER_UPDATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph", "ShardedVariable",
     "UnliftedInitializerVariable",
     "UnconnectedGradients", "array_ops", "attr_value_pb2", "auto_control_deps", "backprop", "check_ops", "composite_tensor",
-    "cond_v2", "config", "config_lib", "context", "control_flow_util", "default_gradient", "distribute_lib", "distribute_utils", "distribute_values",
+    "cond_v2", "config", "config_lib", "context", "control_flow_util", "dataset_ops", "gen_dataset_ops", "iterator_ops", "default_gradient", "distribute_lib", "distribute_utils", "distribute_values",
     "dtypes", "eager_tape", "executing_eagerly", "forwardprop", "gen_array_ops", "gen_resource_variable_ops", "gen_state_ops",
     "gen_training_ops", "handle_data_util", "indexed_slices", "math_ops", "nest", "ops", "profiler_trace", "pywrap_tfe",
     "record", "resource_variable_ops", "standard_ops", "state_ops", "tensor_array_ops", "tensor_conversion_registry", "tensor_lib",
