@@ -9,6 +9,7 @@ from assigntape._errors import (
     ControlFlowWriteError,
     DuplicateIndicesError,
     NotAVariableError,
+    SavedModelError,
     UntrackedWriteError,
 )
 from assigntape._diagnostics import Explanation, History, Reason
@@ -33,6 +34,7 @@ __all__ = [
     "History",
     "NotAVariableError",
     "Reason",
+    "SavedModelError",
     "UntrackedWriteError",
     "uninstall",
 ]

@@ -51,6 +51,7 @@ from assigntape._tf import (
     ops,
     pywrap_tfe,
     resource_variable_ops,
+    saved_model_save,
     standard_ops,
     state_ops,
     tpu_ops,
@@ -58,7 +59,7 @@ from assigntape._tf import (
     while_v2,
 )
 
-from assigntape import _control_flow, _datasets, _diagnostics, _distribute, _functions, _fused, _leases, _plain_tapes, _rules, _short_paths, _versions, _writes
+from assigntape import _control_flow, _datasets, _diagnostics, _distribute, _functions, _fused, _leases, _plain_tapes, _rules, _saving, _short_paths, _versions, _writes
 from assigntape._wrapping import Wrapper, patch
 
 __all__ = ["acquire", "follow_plain_tapes", "installed", "refuse_unfollowed_recorders", "release", "remove_unused", "uninstall"]
@@ -280,6 +281,8 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # Which gradient functions a cond, case, loop or function call in a
         # graph prepares; TensorFlow calls it through the module attribute.
         (gradients_util, "PossibleTapeGradientTypes", _control_flow.possible_gradient_types),
+        # Saving a module whose functions hold a tape's writes (_saving).
+        (saved_model_save, "_trace_gradient_functions", _saving.trace_gradient_functions),
     ]
 
 
@@ -306,8 +309,10 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
 # one may open inside them (_plain_tapes); every variable's handle is noted as
 # it is made; and a non-persistent tape asked for its gradient is closed and
 # done, yet its gradient may go through a cond's or loop's, which must know
-# whether a tape recorded an earlier one (_control_flow.branch_gradient).
+# whether a tape recorded an earlier one (_control_flow.branch_gradient); and
+# a module is saved after every tape is gone (_saving).
 _ALWAYS_ON = (
+    _saving.trace_gradient_functions,
     _control_flow.branch_gradient,
     _control_flow.loop_gradient,
     _versions.constructed,
