@@ -52,6 +52,7 @@ from assigntape._tf import (
     pywrap_tfe,
     resource_variable_ops,
     saved_model_save,
+    script_ops,
     standard_ops,
     state_ops,
     tpu_ops,
@@ -59,7 +60,7 @@ from assigntape._tf import (
     while_v2,
 )
 
-from assigntape import _control_flow, _datasets, _diagnostics, _distribute, _functions, _fused, _leases, _plain_tapes, _rules, _saving, _short_paths, _versions, _writes
+from assigntape import _control_flow, _datasets, _diagnostics, _distribute, _functions, _fused, _leases, _plain_tapes, _py_functions, _rules, _saving, _short_paths, _versions, _writes
 from assigntape._wrapping import Wrapper, patch
 
 __all__ = ["acquire", "follow_plain_tapes", "installed", "refuse_unfollowed_recorders", "release", "remove_unused", "uninstall"]
@@ -281,6 +282,8 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # Which gradient functions a cond, case, loop or function call in a
         # graph prepares; TensorFlow calls it through the module attribute.
         (gradients_util, "PossibleTapeGradientTypes", _control_flow.possible_gradient_types),
+        # py_function bodies, which a tape's graph runs later (_py_functions).
+        (script_ops, "_internal_py_func", _py_functions.py_function),
         # Saving a module whose functions hold a tape's writes (_saving).
         (saved_model_save, "_trace_gradient_functions", _saving.trace_gradient_functions),
     ]

@@ -75,6 +75,8 @@ try:
         tensor_array_ops,
         while_v2,
     )
+    # tf.py_function / tf.numpy_function: the Python body a graph runs later.
+    from tensorflow.python.ops import script_ops
     # SavedModels: where the gradients of a module's functions are saved.
     from tensorflow.python.saved_model import save as saved_model_save
     # The graph class of a tf.cond branch or while body.
@@ -158,6 +160,7 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (dataset_ops.DatasetV2, "_inputs", "the datasets whose functions an iterator runs"),
     (dataset_ops.DatasetV2, "_functions", "the functions a dataset runs, which may write variables"),
     (iterator_ops.OwnedIterator, "_next_internal", "a dataset's functions run at each element"),
+    (script_ops, "_internal_py_func", "py_function bodies run when a tape's graph runs"),
     (saved_model_save, "_trace_gradient_functions", "refusing to save the gradients of a tape's writes"),
 ]
 
@@ -218,6 +221,6 @@ __all__ = [
     "cond_v2", "config", "config_lib", "context", "control_flow_util", "dataset_ops", "gen_dataset_ops", "iterator_ops", "default_gradient", "distribute_lib", "distribute_utils", "distribute_values",
     "dtypes", "eager_tape", "executing_eagerly", "forwardprop", "gen_array_ops", "gen_resource_variable_ops", "gen_state_ops",
     "gen_training_ops", "handle_data_util", "indexed_slices", "math_ops", "nest", "ops", "profiler_trace", "pywrap_tfe",
-    "record", "resource_variable_ops", "saved_model_save", "standard_ops", "state_ops", "tensor_array_ops", "tensor_conversion_registry", "tensor_lib",
+    "record", "resource_variable_ops", "saved_model_save", "script_ops", "standard_ops", "state_ops", "tensor_array_ops", "tensor_conversion_registry", "tensor_lib",
     "tensor_util", "tpu_ops", "v1_optimizer", "variable_utils", "while_v2",
 ]
