@@ -71,6 +71,8 @@ def _graph_writes(graph: Any) -> Dict[int, str]:
             for i, op_type in _graph_writes(callees[0]).items():
                 if i < len(op.inputs) and id(op.inputs[i]) in position:
                     written.setdefault(position[id(op.inputs[i])], op_type)
+        elif len(callees) == 1 and _passes_last(op, callees[0], "other_arguments", position, written):
+            pass
         else:
             inner = [w for g in callees for w in _graph_writes(g).values()]
             if inner:
@@ -81,6 +83,33 @@ def _graph_writes(graph: Any) -> Dict[int, str]:
                         written.setdefault(position[id(t)], inner[0])
     _graph_writes_cache[graph] = written
     return written
+
+
+def _passes_last(op: Any, callee: Any, arg_name: str, position: Dict[int, int], written: Dict[int, str]) -> bool:
+    """For an op that gives its one function the input list ``arg_name`` as
+    that function's last inputs (a tf.data dataset op's captured arguments):
+    notes, as written, the inputs the function writes there, and only those
+    (a variable the function only reads is not written). False if the op
+    has no such input list."""
+    start = 0
+    for arg in op.op_def.input_arg:
+        if arg.number_attr:
+            count = op.get_attr(arg.number_attr)
+        elif arg.type_list_attr:
+            count = len(op.get_attr(arg.type_list_attr))
+        else:
+            count = 1
+        if arg.name == arg_name:
+            passed = op.inputs[start : start + count]
+            offset = len(callee.inputs) - count
+            if offset < 0:
+                return False
+            for i, op_type in _graph_writes(callee).items():
+                if i >= offset and id(passed[i - offset]) in position:
+                    written.setdefault(position[id(passed[i - offset])], op_type)
+            return True
+        start += count
+    return False
 
 
 # Ops that are common in function graphs and never call functions: skipping them

@@ -46,6 +46,9 @@ def _probed(func: Callable[..., Any]) -> Callable[..., Any]:
         with AssignAwareTape(persistent=True, watch_accessed_variables=False) as probe:
             result = func(*args)
         written = sorted(probe.history().variables)
+        # A closed persistent tape holds the patches while it lives, and the
+        # error's traceback (which TensorFlow may keep) holds this frame.
+        del probe
         if written:
             raise UntrackedWriteError(
                 f"The Python function {name!r} of a tf.py_function / tf.numpy_function wrote "
