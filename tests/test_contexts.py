@@ -337,3 +337,55 @@ def _re(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+# -- SavedModels of a function whose own tape writes ----------------------------
+
+class _TapeModule(tf.Module):
+    """A function holding a tape that writes: the hypergradient of one step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = tf.Variable(V0, dtype=tf.float64, name="v_written")
+
+    @tf.function(input_signature=[tf.TensorSpec((), tf.float64)])
+    def step(self, x: Any) -> Any:
+        with AssignAwareTape() as tape:
+            tape.watch(x)
+            self.v.assign(self.v * x * E)
+            y = tf.reduce_sum(self.v * self.v) * x
+        return y, tape.gradient(y, x)
+
+
+def _step_rewrite(x0: float) -> Tuple[float, float]:
+    # y = sum((v0 x E)^2) x = sum(v0^2) E^2 x^3; dy/dx = 3 sum(v0^2) E^2 x^2.
+    s = float(np.sum(V0 * V0)) * E * E
+    return s * x0**3, 3 * s * x0**2
+
+
+def test_saving_the_gradients_of_a_tapes_writes_is_refused_saying_why() -> None:
+    """TensorFlow's own error was a ValueError about IdentityN."""
+    module = _TapeModule()
+    with pytest.raises(SavedModelError, match="(?s)step.*experimental_custom_gradients=False"):
+        tf.saved_model.save(module, os.path.join(tempfile.mkdtemp(), "m"))
+
+
+def test_a_loaded_function_computes_the_same_and_a_gradient_through_it_is_refused() -> None:
+    """Saved without custom gradients: the loaded function's values and its
+    own tape's gradient are the rewrite's; a gradient through it would be cut
+    at the write (it was silently wrong), and is refused."""
+    path = os.path.join(tempfile.mkdtemp(), "m")
+    tf.saved_model.save(_TapeModule(), path, options=tf.saved_model.SaveOptions(experimental_custom_gradients=False))
+    loaded = tf.saved_model.load(path)
+    x = tf.constant(X0, tf.float64)
+    y, dy_dx = loaded.step(x)
+    y_ref, g_ref = _step_rewrite(X0)
+    np.testing.assert_allclose([float(y), float(dy_dx)], [y_ref, g_ref], rtol=1e-10)
+    loaded.v.assign(V0)
+    # (TensorFlow builds the function's gradient when a recording tape
+    # watches its input: the refusal comes at the call, or at the gradient.)
+    with pytest.raises(SavedModelError, match="loaded from a SavedModel"):
+        with tf.GradientTape() as outer:
+            outer.watch(x)
+            y, _ = loaded.step(x)
+        outer.gradient(y, x)
