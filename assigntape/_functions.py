@@ -10,6 +10,7 @@ graph, once per function, and refused (or cut) before the function runs.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -19,7 +20,7 @@ from assigntape import _rules, _versions
 from assigntape._errors import ControlFlowWriteError
 from assigntape._wrapping import bind
 
-__all__ = ["call_function", "cut_writes", "function_writes", "outside_writes", "refuse_writes", "variables_written"]
+__all__ = ["call_function", "vectorized", "cut_writes", "function_writes", "outside_writes", "refuse_writes", "variables_written"]
 
 
 def _written_inputs(function: Any) -> Dict[int, str]:
@@ -179,6 +180,9 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     tensor_inputs = list(arguments["tensor_inputs"])
     captured_in = list(arguments["captured_inputs"])
     context = f"tf.function {_name(instance)!r}"
+    makers = getattr(_makers, "names", None)
+    if makers:
+        context += f" (made by {makers[-1]})"
     if found is None:
         if _versions.closed_tapes or _versions.any_scopes():
             outside_writes(function_writes(instance, tensor_inputs + captured_in), context)
@@ -204,6 +208,23 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     result = wrapped(tensor_inputs, captured)
     cut_writes(scope, writes, context)
     return result
+
+
+# Per thread, what is making the functions called now, when the user did not
+# write them (``vectorized``): a refusal names it.
+_makers = threading.local()
+
+
+def vectorized(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``parallel_for.pfor``, which ``tf.vectorized_map`` (and a tape's
+    ``jacobian``) call: it traces the user's function into a tf.function of
+    its own, called at once."""
+    names = _makers.__dict__.setdefault("names", [])
+    names.append("tf.vectorized_map (parallel_for.pfor)")
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        names.pop()
 
 
 # A write that runs out of the tape's sight: the handle written (as the

@@ -49,6 +49,7 @@ from assigntape._tf import (
     gradients_util,
     iterator_ops,
     ops,
+    parallel_for,
     pywrap_tfe,
     resource_variable_ops,
     saved_model_save,
@@ -233,6 +234,8 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (resource_variable_ops.UninitializedVariable, "__init__", _versions.constructed),
         # Calls of traced functions from an eager tape (_functions).
         (ConcreteFunction, "_call_flat", _functions.call_function),
+        # tf.vectorized_map's function, named in refusals (_functions).
+        (parallel_for, "pfor", _functions.vectorized),
         # Where tf.data's runtime runs a dataset's functions for the caller
         # (_datasets); TensorFlow calls the reduce op through the module.
         (iterator_ops.OwnedIterator, "_next_internal", _datasets.next_element),

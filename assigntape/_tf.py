@@ -75,6 +75,8 @@ try:
         tensor_array_ops,
         while_v2,
     )
+    # tf.vectorized_map's (and jacobian's) vectorizer, which traces a tf.function.
+    from tensorflow.python.ops.parallel_for import control_flow_ops as parallel_for
     # tf.py_function / tf.numpy_function: the Python body a graph runs later.
     from tensorflow.python.ops import script_ops
     # SavedModels: where the gradients of a module's functions are saved.
@@ -221,6 +223,6 @@ __all__ = [
     "cond_v2", "config", "config_lib", "context", "control_flow_util", "dataset_ops", "gen_dataset_ops", "iterator_ops", "default_gradient", "distribute_lib", "distribute_utils", "distribute_values",
     "dtypes", "eager_tape", "executing_eagerly", "forwardprop", "gen_array_ops", "gen_resource_variable_ops", "gen_state_ops",
     "gen_training_ops", "handle_data_util", "indexed_slices", "math_ops", "nest", "ops", "profiler_trace", "pywrap_tfe",
-    "record", "resource_variable_ops", "saved_model_save", "script_ops", "standard_ops", "state_ops", "tensor_array_ops", "tensor_conversion_registry", "tensor_lib",
+    "record", "resource_variable_ops", "parallel_for", "saved_model_save", "script_ops", "standard_ops", "state_ops", "tensor_array_ops", "tensor_conversion_registry", "tensor_lib",
     "tensor_util", "tpu_ops", "v1_optimizer", "variable_utils", "while_v2",
 ]

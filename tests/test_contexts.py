@@ -168,6 +168,10 @@ def _map_fn(write: Callable[..., Any], v: Any, x: Any) -> Runner:
     return lambda: tf.map_fn(lambda e: (write(v, x, e), e)[1], tf.constant([E], tf.float64))
 
 
+def _vectorized_map(write: Callable[..., Any], v: Any, x: Any) -> Runner:
+    return lambda: tf.vectorized_map(lambda e: (write(v, x, e), e)[1], tf.constant([E], tf.float64))
+
+
 class _Module(tf.Module):
     def __init__(self, v: Any, x: Any, write: Callable[..., Any]) -> None:
         super().__init__()
@@ -242,6 +246,10 @@ CONTEXTS: Dict[str, Tuple[Callable[..., None], str, Expect]] = {
         "tf ForwardAccumulator": (ControlFlowWriteError, "(?s)graph loop.*x_read"),
         "assigntape ForwardAccumulator": (ControlFlowWriteError, "(?s)graph loop.*x_read"),
     }),
+    "vectorized_map": (_vectorized_map, "eager", (AssignTapeError, "vectorized_map")),
+    # Inside a graph, TensorFlow's pfor falls back to a graph loop for a
+    # write it cannot vectorize, in the tape's graph: followed.
+    "vectorized_map in the tape's function": (_vectorized_map, "function", "same"),
     "loaded SavedModel function": (_saved_model, "eager", (AssignTapeError, "tf.function")),
 }
 
