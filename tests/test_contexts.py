@@ -397,3 +397,83 @@ def test_a_loaded_function_computes_the_same_and_a_gradient_through_it_is_refuse
             outer.watch(x)
             y, _ = loaded.step(x)
         outer.gradient(y, x)
+
+
+# -- the cut option, and what a refusal suggests ---------------------------------
+
+@pytest.mark.parametrize("how", ["map", "reduce"])
+def test_a_dataset_write_is_cut_by_option_and_left_unwritten_when_refused(how: str) -> None:
+    """With untracked_writes='cut' the write is a version with no gradient
+    path: the rewrite with the written value under tf.stop_gradient.
+    Refused, nothing is written."""
+    v = tf.Variable(V0, dtype=tf.float64, name="v_written")
+    x = tf.Variable(X0, dtype=tf.float64, name="x_read")
+    e = tf.constant(E, tf.float64)
+    if how == "map":
+        ds = tf.data.Dataset.from_tensors(e).map(lambda f: (v.assign(v * x * f), f)[1])
+        run = lambda: [None for _ in ds]  # noqa: E731
+    else:
+        ds = tf.data.Dataset.from_tensors(e)
+        run = lambda: ds.reduce(tf.constant(0.0, tf.float64), lambda s, f: (v.assign(v * x * f), s)[1])  # noqa: E731
+    with AssignAwareTape() as tape:
+        before = tf.reduce_sum(v)
+        with pytest.raises(UntrackedWriteError, match="(?s)tf.data function.*v_written.*write the variable in the loop body"):
+            run()
+    np.testing.assert_array_equal(v.numpy(), V0)  # refused before it ran
+    assert len(tape.versions(v)) == 1
+    with AssignAwareTape(untracked_writes="cut") as tape:
+        before = tf.reduce_sum(v)
+        with pytest.warns(UserWarning, match="v_written"):
+            run()
+        y = tf.reduce_sum(v * v) * x + 0.0 * before
+    # Rewrite: w = stop_gradient(v0 x E); y = sum(w^2) x, so dy/dx = sum(w^2)
+    # and dy/dv0 = 0 (no path through the cut write).
+    w = V0 * X0 * E
+    gx, gv = tape.gradient(y, [x, v], unconnected_gradients="zero")
+    np.testing.assert_allclose(float(gx), float(np.sum(w * w)), rtol=1e-12)
+    np.testing.assert_array_equal(np.asarray(gv), np.zeros(3))
+
+
+def test_a_refused_library_function_suggests_running_functions_eagerly_which_works() -> None:
+    """A step function the user does not own (a library's, as in
+    tfp.math.minimize) cannot be edited: the refusal names
+    tf.config.run_functions_eagerly(True), and with it the tape follows the
+    write and the gradient is the rewrite's."""
+    v = tf.Variable(V0, dtype=tf.float64, name="v_written")
+    x = tf.Variable(X0, dtype=tf.float64, name="x_read")
+
+    @tf.function
+    def library_step(e: Any) -> Any:
+        return v.assign(v * x * e)
+
+    e = tf.constant(E, tf.float64)
+    with AssignAwareTape():
+        with pytest.raises(UntrackedWriteError, match=r"tf\.config\.run_functions_eagerly\(True\)"):
+            library_step(e)
+    tf.config.run_functions_eagerly(True)
+    try:
+        with AssignAwareTape() as tape:
+            library_step(e)
+            y = tf.reduce_sum(v * v) * x
+        got = tape.gradient(y, [x, v])
+    finally:
+        tf.config.run_functions_eagerly(False)
+    _, (gx, gv) = _oracle("assign")
+    np.testing.assert_allclose(float(got[0]), gx, rtol=1e-10)
+    np.testing.assert_allclose(np.asarray(got[1]), gv, rtol=1e-10)
+
+
+def test_a_refusal_in_the_tapes_function_suggests_running_functions_eagerly() -> None:
+    v = tf.Variable(V0, dtype=tf.float64, name="v_written")
+
+    @tf.function
+    def library_step() -> Any:
+        return v.assign(v * 2.0)
+
+    @tf.function
+    def step() -> Any:
+        with AssignAwareTape():
+            library_step()
+
+    with pytest.raises(ControlFlowWriteError, match=r"(?s)v_written.*tf\.config\.run_functions_eagerly\(True\)"):
+        step()
