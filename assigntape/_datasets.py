@@ -17,7 +17,7 @@ import threading
 import weakref
 from typing import Any, Callable, List
 
-from assigntape._tf import dataset_ops
+from assigntape._tf import dataset_ops, executing_eagerly, ops
 
 from assigntape import _functions, _versions
 
@@ -73,9 +73,23 @@ _cache: "weakref.WeakKeyDictionary[Any, List[_functions.Write]]" = weakref.WeakK
 _pending = threading.local()
 
 
+def _idle() -> bool:
+    """No tape anywhere, and executing eagerly: nothing to refuse or note.
+    (These hooks are always in place: a function traced before the first
+    tape must note the writes its graph hides, see ``_guarded``.)"""
+    return not _versions._all_scopes and not _versions.closed_tapes.data and executing_eagerly()
+
+
 def _guarded(writes: List[_functions.Write], context: str, run: Callable[[], Any]) -> Any:
     """Runs ``run`` (which runs dataset functions making ``writes``) as the
     tapes around it allow: refused, or run and then cut."""
+    if not executing_eagerly():
+        # A dataset made outside the graph being traced and captured: its
+        # functions are not among the graph's, so a call of it from an
+        # eager tape would not find the writes in its graph.
+        _functions.note_hidden_writes(ops.get_default_graph(), writes)
+        if not _versions._all_scopes and not _versions.closed_tapes.data:
+            return run()
     found = _versions.call_context()
     if found is None:
         _functions.outside_writes(writes, context)
@@ -97,6 +111,8 @@ def _context(writes: List[_functions.Write], where: str) -> str:
 def next_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``OwnedIterator._next_internal`` and ``get_next_as_optional``: the
     element's functions run now (or ran ahead, prefetched)."""
+    if _idle():
+        return wrapped(*args, **kwargs)
     dataset = getattr(instance, "_dataset", None)
     writes = _dataset_writes(dataset) if dataset is not None else []
     if not writes:
@@ -107,6 +123,8 @@ def next_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
 
 def single_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``Dataset.get_single_element``: the dataset's functions run now."""
+    if _idle():
+        return wrapped(*args, **kwargs)
     writes = _dataset_writes(instance)
     if not writes:
         return wrapped(*args, **kwargs)
@@ -119,6 +137,8 @@ def reduce_dataset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs
     now. The reduce function is traced inside ``reduce`` (an autograph
     ``for`` loop over a dataset in a ``tf.function`` is one, its body the
     reduce function), so its writes are found at the op that runs it."""
+    if _idle():
+        return wrapped(*args, **kwargs)
     writes = _dataset_writes(instance)
     context = _context(writes, "Dataset.reduce") if writes else ""
     token = _pending.__dict__.setdefault("stack", [])
@@ -132,6 +152,8 @@ def reduce_dataset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs
 def reduce_op(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``gen_dataset_ops.reduce_dataset``: the reduce function's own writes,
     with its input dataset's (noted by ``reduce_dataset``)."""
+    if _idle():
+        return wrapped(*args, **kwargs)
     stack = getattr(_pending, "stack", None)
     writes, context = stack[-1] if stack else ([], "")
     function = kwargs.get("f")

@@ -14,13 +14,13 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from assigntape._tf import dtypes, resource_variable_ops
+from assigntape._tf import dtypes, ops, resource_variable_ops
 
 from assigntape import _rules, _versions
 from assigntape._errors import ControlFlowWriteError
 from assigntape._wrapping import bind
 
-__all__ = ["call_function", "vectorized", "cut_writes", "function_writes", "outside_writes", "refuse_writes", "variables_written"]
+__all__ = ["call_function", "vectorized", "cut_writes", "function_writes", "note_hidden_writes", "outside_writes", "refuse_writes", "variables_written"]
 
 
 def _written_inputs(function: Any) -> Dict[int, str]:
@@ -235,8 +235,26 @@ Write = Tuple[Any, str, Any]
 
 def function_writes(function: Any, handles: List[Any]) -> List[Write]:
     """The writes of a traced function given ``handles`` (its inputs, then its
-    captures, as its graph's inputs are ordered)."""
-    return [(handles[i], op_type, function) for i, op_type in sorted(_written_inputs(function).items()) if i < len(handles)]
+    captures, as its graph's inputs are ordered), and those its graph runs
+    without showing them (``note_hidden_writes``)."""
+    found = [(handles[i], op_type, function) for i, op_type in sorted(_written_inputs(function).items()) if i < len(handles)]
+    return found + [(h, op_type, function) for h, op_type, _ in _hidden_writes.get(function.graph, ())]
+
+
+def note_hidden_writes(graph: Any, writes: List[Write]) -> None:
+    """Notes, on ``graph`` and the graphs it is traced in, writes that ops in
+    it run but whose graph is not among its functions: a dataset (made
+    outside, and captured) whose functions an iterator or reduce in it runs."""
+    while graph is not None:
+        if isinstance(graph, ops.Graph):
+            try:
+                _hidden_writes.setdefault(graph, []).extend(writes)
+            except TypeError:
+                return
+        graph = getattr(graph, "outer_graph", None)
+
+
+_hidden_writes: "weakref.WeakKeyDictionary[Any, List[Write]]" = weakref.WeakKeyDictionary()
 
 
 def variables_written(scope: Any, writes: List[Write]) -> List[Tuple[Any, str]]:

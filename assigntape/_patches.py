@@ -316,9 +316,14 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
 # it is made; and a non-persistent tape asked for its gradient is closed and
 # done, yet its gradient may go through a cond's or loop's, which must know
 # whether a tape recorded an earlier one (_control_flow.branch_gradient); and
-# a module is saved after every tape is gone (_saving).
+# a module is saved after every tape is gone (_saving); and a function may be
+# traced before the first tape around a dataset that writes (_datasets).
 _ALWAYS_ON = (
     _saving.trace_gradient_functions,
+    _datasets.next_element,
+    _datasets.reduce_dataset,
+    _datasets.reduce_op,
+    _datasets.single_element,
     _control_flow.branch_gradient,
     _control_flow.loop_gradient,
     _versions.constructed,
