@@ -176,16 +176,15 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     happen inside its graph, out of the tape's sight.
     """
     found = _versions.call_context()
+    if found is None and not (_versions.closed_tapes or _versions.any_scopes()):
+        return wrapped(*args, **kwargs)
     arguments = bind(("tensor_inputs", "captured_inputs"), args, kwargs)
     tensor_inputs = list(arguments["tensor_inputs"])
     captured_in = list(arguments["captured_inputs"])
-    context = f"tf.function {_name(instance)!r}"
-    makers = getattr(_makers, "names", None)
-    if makers:
-        context += f" (made by {makers[-1]})"
     if found is None:
-        if _versions.closed_tapes or _versions.any_scopes():
-            outside_writes(function_writes(instance, tensor_inputs + captured_in), context)
+        outside = function_writes(instance, tensor_inputs + captured_in)
+        if outside:
+            outside_writes(outside, _context(instance))
         return wrapped(*args, **kwargs)
     scope, branch = found
     if scope.unnamed:
@@ -204,10 +203,19 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     captured = [h if v is None else _versions.version_in(scope, branch, v) for h, v in
                 ((h, scope.canonical.get(id(h))) for h in captured_in)]
     writes = variables_written(scope, function_writes(instance, tensor_inputs + captured_in))
+    if not writes:
+        return wrapped(tensor_inputs, captured)
+    context = _context(instance)
     refuse_writes(scope, writes, context, FUNCTION_FIXES_EAGER, FUNCTION_FIXES_GRAPH)
     result = wrapped(tensor_inputs, captured)
     cut_writes(scope, writes, context)
     return result
+
+
+def _context(instance: Any) -> str:
+    """The function, as a refusal names it (and what made it, if not the user)."""
+    makers = getattr(_makers, "names", None)
+    return f"tf.function {_name(instance)!r}" + (f" (made by {makers[-1]})" if makers else "")
 
 
 # Per thread, what is making the functions called now, when the user did not
