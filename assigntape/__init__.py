@@ -15,6 +15,7 @@ from assigntape._errors import (
     ControlFlowWriteError,
     DuplicateIndicesError,
     NotAVariableError,
+    SavedModelError,
     UntrackedWriteError,
     WriteDtypeError,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "History",
     "NotAVariableError",
     "Reason",
+    "SavedModelError",
     "UntrackedWriteError",
     "WriteDtypeError",
     "uninstall",

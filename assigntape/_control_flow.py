@@ -54,7 +54,7 @@ from assigntape._tf import (
 )
 
 from assigntape import _fused, _record, _rules, _versions
-from assigntape._errors import ControlFlowWriteError
+from assigntape._errors import ControlFlowWriteError, SavedModelError
 from assigntape._wrapping import bind, params_of
 
 __all__ = ["branch_write", "cond", "build_cond", "while_loop", "write_around"]
@@ -79,9 +79,28 @@ def _top_version_grad(op: Any, grad_handle: Any, *rest: Any) -> List[Any]:
     ``tf.gradients`` (tapes have the write recorded): the write's own backward
     function, kept on the op."""
     backward = getattr(op, "_assigntape_backward", None)
+    if op is None or (backward is None and grad_handle is not None):
+        # Every version made in this process keeps its rule on the op: none
+        # here means a graph from elsewhere (a SavedModel loaded, with no
+        # gradients saved; op None: one being saved), whose gradient through
+        # the write would otherwise be silently cut.
+        raise SavedModelError(unsaved_rule(getattr(op, "name", None)))
     if grad_handle is None or backward is None:
         return [None] * len(op.inputs)
     return [None, *backward(grad_handle)]
+
+
+def unsaved_rule(op_name: Optional[str]) -> str:
+    """Why a gradient through an AssignAwareTape's writes in a SavedModel is refused."""
+    where = f" (op {op_name!r})" if op_name else ""
+    return (
+        f"A gradient through a variable write that an AssignAwareTape followed inside a "
+        f"tf.function{where}, in a function loaded from a SavedModel or being saved: the "
+        "write's gradient rule is Python code kept beside the graph, which a SavedModel "
+        "cannot carry. The loaded function computes the same values and its own tape's "
+        "gradients; to differentiate through it, build the tf.function from Python code "
+        "in this process instead of loading it."
+    )
 
 
 def _on_its_device(var: Any) -> Any:

@@ -12,6 +12,7 @@ __all__ = [
     "ControlFlowWriteError",
     "DuplicateIndicesError",
     "NotAVariableError",
+    "SavedModelError",
     "UntrackedWriteError",
     "WriteDtypeError",
 ]
@@ -82,4 +83,17 @@ class WriteDtypeError(AssignTapeError, TypeError):
     kernel aborts the process. Inside a tape either is this error, raised
     before anything is written. Give the values as tensors of the
     variable's dtype.
+    """
+
+
+class SavedModelError(AssignTapeError, ValueError):
+    """A SavedModel cannot carry the gradient of an AssignAwareTape's writes.
+
+    Inside a ``tf.function``, each write the tape follows is a version op whose
+    gradient rule is Python code kept beside the graph. ``tf.saved_model.save``
+    with custom gradients (its default) would have to save those rules, and
+    is refused; saved with ``SaveOptions(experimental_custom_gradients=False)``,
+    the loaded function computes the same values (its own tape's gradients
+    included), and a gradient *through* it, which would need the rules, is
+    refused with this error rather than silently cut at each write.
     """

@@ -10,16 +10,17 @@ graph, once per function, and refused (or cut) before the function runs.
 
 from __future__ import annotations
 
+import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from assigntape._tf import dtypes, resource_variable_ops
+from assigntape._tf import dtypes, ops, resource_variable_ops
 
 from assigntape import _rules, _versions
 from assigntape._errors import ControlFlowWriteError
 from assigntape._wrapping import bind
 
-__all__ = ["call_function"]
+__all__ = ["call_function", "vectorized", "cut_writes", "function_writes", "note_hidden_writes", "outside_writes", "refuse_writes", "variables_written"]
 
 
 def _written_inputs(function: Any) -> Dict[int, str]:
@@ -71,6 +72,8 @@ def _graph_writes(graph: Any) -> Dict[int, str]:
             for i, op_type in _graph_writes(callees[0]).items():
                 if i < len(op.inputs) and id(op.inputs[i]) in position:
                     written.setdefault(position[id(op.inputs[i])], op_type)
+        elif len(callees) == 1 and _passes_last(op, callees[0], "other_arguments", position, written):
+            pass
         else:
             inner = [w for g in callees for w in _graph_writes(g).values()]
             if inner:
@@ -81,6 +84,33 @@ def _graph_writes(graph: Any) -> Dict[int, str]:
                         written.setdefault(position[id(t)], inner[0])
     _graph_writes_cache[graph] = written
     return written
+
+
+def _passes_last(op: Any, callee: Any, arg_name: str, position: Dict[int, int], written: Dict[int, str]) -> bool:
+    """For an op that gives its one function the input list ``arg_name`` as
+    that function's last inputs (a tf.data dataset op's captured arguments):
+    notes, as written, the inputs the function writes there, and only those
+    (a variable the function only reads is not written). False if the op
+    has no such input list."""
+    start = 0
+    for arg in op.op_def.input_arg:
+        if arg.number_attr:
+            count = op.get_attr(arg.number_attr)
+        elif arg.type_list_attr:
+            count = len(op.get_attr(arg.type_list_attr))
+        else:
+            count = 1
+        if arg.name == arg_name:
+            passed = op.inputs[start : start + count]
+            offset = len(callee.inputs) - count
+            if offset < 0:
+                return False
+            for i, op_type in _graph_writes(callee).items():
+                if i >= offset and id(passed[i - offset]) in position:
+                    written.setdefault(position[id(passed[i - offset])], op_type)
+            return True
+        start += count
+    return False
 
 
 # Ops that are common in function graphs and never call functions: skipping them
@@ -109,13 +139,30 @@ def _variable_behind(instance: Any, handle: Any, scope: Any) -> Optional[Any]:
     for v in variables:
         if isinstance(v, resource_variable_ops.BaseResourceVariable) and _versions.canonical_handle(v) is handle:
             return v
-    return None
+    # A graph that did not list it (a tf.data function's): the variable whose
+    # own handle it is.
+    return _versions.variable_of_handle(handle)
 
 
 def _name(instance: Any) -> str:
     # The graph is named after the Python function; the function itself after
     # the graph, with TensorFlow's prefix and a counter.
     return str(instance.graph.name)
+
+
+# What to do instead, for a function whose writes the tape cannot follow. The
+# last resort works for a function the user does not own (a library's step
+# function, as in ``tfp.math.minimize``): run_functions_eagerly makes every
+# tf.function run its Python body, whose writes the tape follows.
+_EAGERLY = (
+    "or, for a function you cannot edit (a library's), run tf.functions eagerly: "
+    "tf.config.run_functions_eagerly(True)."
+)
+FUNCTION_FIXES_EAGER = "Open the tape inside the function, call the function outside the tape, " + _EAGERLY
+FUNCTION_FIXES_GRAPH = (
+    "Inline the write (call the Python function undecorated), write in tf.cond branches or "
+    "tf.while_loop bodies, which the tape follows, open the tape inside the body, " + _EAGERLY
+)
 
 
 def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -129,14 +176,17 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     happen inside its graph, out of the tape's sight.
     """
     found = _versions.call_context()
-    if found is None:
-        if _versions.closed_tapes or _versions.any_scopes():
-            _outside_writes(instance, args, kwargs)
+    if found is None and not (_versions.closed_tapes or _versions.any_scopes()):
         return wrapped(*args, **kwargs)
-    scope, branch = found
     arguments = bind(("tensor_inputs", "captured_inputs"), args, kwargs)
     tensor_inputs = list(arguments["tensor_inputs"])
     captured_in = list(arguments["captured_inputs"])
+    if found is None:
+        outside = function_writes(instance, tensor_inputs + captured_in)
+        if outside:
+            outside_writes(outside, _context(instance))
+        return wrapped(*args, **kwargs)
+    scope, branch = found
     if scope.unnamed:
         # A function reads its captures directly, not through v.handle.
         for h in captured_in:
@@ -152,62 +202,115 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
                     _versions.cut_on_first_read(scope, var, h)
     captured = [h if v is None else _versions.version_in(scope, branch, v) for h, v in
                 ((h, scope.canonical.get(id(h))) for h in captured_in)]
-    written = _written_inputs(instance)
-    if written:
-        handles = tensor_inputs + captured_in
-        for i, op_type in sorted(written.items()):
-            if i >= len(handles):
-                continue
-            var = _variable_behind(instance, handles[i], scope)
-            if var is None or not _versions.differentiable(var):
-                continue
-            _refuse(scope, var, _name(instance), op_type)
+    writes = variables_written(scope, function_writes(instance, tensor_inputs + captured_in))
+    if not writes:
+        return wrapped(tensor_inputs, captured)
+    context = _context(instance)
+    refuse_writes(scope, writes, context, FUNCTION_FIXES_EAGER, FUNCTION_FIXES_GRAPH)
     result = wrapped(tensor_inputs, captured)
-    if written:
-        handles = tensor_inputs + captured_in
-        for i in sorted(written):
-            var = _variable_behind(instance, handles[i], scope) if i < len(handles) else None
-            if var is not None and _versions.differentiable(var):
-                _versions.cut([scope], var, f"tf.function {_name(instance)!r}")
+    cut_writes(scope, writes, context)
     return result
 
 
-def _refuse(scope: Any, var: Any, name: str, op_type: str) -> None:
-    if scope.key is not None:
-        raise ControlFlowWriteError(
-            f"{op_type} to variable {var.name!r} inside tf.function {name!r}, called in "
-            "the function where an AssignAwareTape is open: a version made in the inner "
-            "function's graph cannot leave it. Inline the write (call the Python function "
-            "undecorated), write in tf.cond branches or tf.while_loop bodies, which the "
-            "tape follows, or open the tape inside the body."
+def _context(instance: Any) -> str:
+    """The function, as a refusal names it (and what made it, if not the user)."""
+    makers = getattr(_makers, "names", None)
+    return f"tf.function {_name(instance)!r}" + (f" (made by {makers[-1]})" if makers else "")
+
+
+# Per thread, what is making the functions called now, when the user did not
+# write them (``vectorized``): a refusal names it.
+_makers = threading.local()
+
+
+def vectorized(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``parallel_for.pfor``, which ``tf.vectorized_map`` (and a tape's
+    ``jacobian``) call: it traces the user's function into a tf.function of
+    its own, called at once."""
+    names = _makers.__dict__.setdefault("names", [])
+    names.append("tf.vectorized_map (parallel_for.pfor)")
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        names.pop()
+
+
+# A write that runs out of the tape's sight: the handle written (as the
+# function was given or captured it), the writing op's type, and the function
+# whose graph holds it (to name the variable behind the handle).
+Write = Tuple[Any, str, Any]
+
+
+def function_writes(function: Any, handles: List[Any]) -> List[Write]:
+    """The writes of a traced function given ``handles`` (its inputs, then its
+    captures, as its graph's inputs are ordered), and those its graph runs
+    without showing them (``note_hidden_writes``)."""
+    found = [(handles[i], op_type, function) for i, op_type in sorted(_written_inputs(function).items()) if i < len(handles)]
+    return found + [(h, op_type, function) for h, op_type, _ in _hidden_writes.get(function.graph, ())]
+
+
+def note_hidden_writes(graph: Any, writes: List[Write]) -> None:
+    """Notes, on ``graph`` and the graphs it is traced in, writes that ops in
+    it run but whose graph is not among its functions: a dataset (made
+    outside, and captured) whose functions an iterator or reduce in it runs."""
+    while graph is not None:
+        if isinstance(graph, ops.Graph):
+            try:
+                _hidden_writes.setdefault(graph, []).extend(writes)
+            except TypeError:
+                return
+        graph = getattr(graph, "outer_graph", None)
+
+
+_hidden_writes: "weakref.WeakKeyDictionary[Any, List[Write]]" = weakref.WeakKeyDictionary()
+
+
+def variables_written(scope: Any, writes: List[Write]) -> List[Tuple[Any, str]]:
+    """The differentiable variables behind ``writes``, each once, with an op that writes it."""
+    found: Dict[int, Tuple[Any, str]] = {}
+    for handle, op_type, function in writes:
+        var = _variable_behind(function, handle, scope)
+        if var is not None and _versions.differentiable(var):
+            found.setdefault(id(var), (var, op_type))
+    return list(found.values())
+
+
+def refuse_writes(scope: Any, writes: List[Tuple[Any, str]], context: str, eager_fixes: str, graph_fixes: str) -> None:
+    """Before ``context`` runs writes the tape cannot follow: refused (or,
+    eagerly and by option, let through, to be ``cut_writes`` after)."""
+    for var, op_type in writes:
+        if scope.key is not None:
+            raise ControlFlowWriteError(
+                f"{op_type} to variable {var.name!r} inside {context}, run in the function where "
+                f"an AssignAwareTape is open: a version made in {context}'s graph cannot leave it. "
+                + graph_fixes
+            )
+        # Held by a plain tape or accumulator only (the AssignAwareTape inside it
+        # closed; see _plain_tapes): say which.
+        around = "an AssignAwareTape is open" if scope.records else (
+            "a plain tf.GradientTape or ForwardAccumulator that recorded an AssignAwareTape's writes is open"
         )
-    # Held by a plain tape or accumulator only (the AssignAwareTape inside it
-    # closed; see _plain_tapes): say which.
-    around = "an AssignAwareTape is open" if scope.records else (
-        "a plain tf.GradientTape or ForwardAccumulator that recorded an AssignAwareTape's writes is open"
-    )
-    _versions.refuse_or_cut(
-        [scope], var, f"tf.function {name!r}",
-        f"tf.function {name!r} writes variable {var.name!r} ({op_type}) while "
-        f"{around} around the call, and writes inside a function called "
-        "from an eager tape happen out of the tape's sight: reads after it would credit "
-        "the previous version, a silently wrong gradient. Open the tape inside the "
-        "function, or call the function outside the tape.",
-    )
+        _versions.refuse_or_cut(
+            [scope], var, context,
+            f"{context} writes variable {var.name!r} ({op_type}) while {around} around it, and "
+            "such writes happen out of the tape's sight: reads after it would credit "
+            f"the previous version, a silently wrong gradient. " + eager_fixes,
+        )
 
 
-def _outside_writes(instance: Any, args: Any, kwargs: Any) -> None:
+def cut_writes(scope: Any, writes: List[Tuple[Any, str]], context: str) -> None:
+    """After ``context`` ran writes ``refuse_writes`` let through: each a new
+    version with no gradient path."""
+    for var, _ in writes:
+        _versions.cut([scope], var, context)
+
+
+def outside_writes(writes: List[Write], context: str) -> None:
     """No tape open in this thread's context. A tape open in another thread
     must not see its variables written behind its back (refused, as any
     write from another thread is); a closed tape may be re-entered, so tell it
-    which of its variables this function writes."""
-    written = _written_inputs(instance)
-    if not written:
-        return
-    arguments = bind(("tensor_inputs", "captured_inputs"), args, kwargs)
-    handles = list(arguments["tensor_inputs"]) + list(arguments["captured_inputs"])
-    found = [(handles[i], op_type) for i, op_type in sorted(written.items()) if i < len(handles)]
-    for handle, op_type in found:
-        _versions.refuse_other_thread(handle, None, f"{op_type} in tf.function {_name(instance)!r}")
-    for handle, _ in found:
+    which of its variables ``context`` writes."""
+    for handle, op_type, _ in writes:
+        _versions.refuse_other_thread(handle, None, f"{op_type} in {context}")
+    for handle, _, _ in writes:
         _versions.note_write_while_closed(handle)

@@ -35,26 +35,32 @@ from assigntape._tf import (
     array_ops,
     ConcreteFunction,
     cond_v2,
+    dataset_ops,
     distribute_lib,
     distribute_values,
     mirrored_run,
     eager_tape,
     forwardprop,
     gen_array_ops,
+    gen_dataset_ops,
     gen_resource_variable_ops,
     gen_state_ops,
     gen_training_ops,
     gradients_util,
+    iterator_ops,
     ops,
+    parallel_for,
     pywrap_tfe,
     resource_variable_ops,
+    saved_model_save,
+    script_ops,
     standard_ops,
     state_ops,
     tpu_ops,
     while_v2,
 )
 
-from assigntape import _control_flow, _diagnostics, _distribute, _functions, _fused, _jvp, _leases, _plain_tapes, _rules, _short_paths, _versions, _writes
+from assigntape import _control_flow, _datasets, _diagnostics, _distribute, _functions, _fused, _jvp, _leases, _plain_tapes, _py_functions, _rules, _saving, _short_paths, _versions, _writes
 from assigntape._wrapping import Place, Wrapper, patch
 
 __all__ = ["acquire", "follow_plain_tapes", "installed", "refuse_unfollowed_recorders", "release", "remove_unused", "uninstall"]
@@ -209,6 +215,15 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (resource_variable_ops.UninitializedVariable, "__init__", _versions.constructed),
         # Calls of traced functions from an eager tape (_functions).
         (ConcreteFunction, "_call_flat", _functions.call_function),
+        # tf.vectorized_map's function, named in refusals (_functions).
+        (parallel_for, "pfor", _functions.vectorized),
+        # Where tf.data's runtime runs a dataset's functions for the caller
+        # (_datasets); TensorFlow calls the reduce op through the module.
+        (iterator_ops.OwnedIterator, "_next_internal", _datasets.next_element),
+        (iterator_ops.OwnedIterator, "get_next_as_optional", _datasets.next_element),
+        (dataset_ops.DatasetV2, "reduce", _datasets.reduce_dataset),
+        (dataset_ops.DatasetV2, "get_single_element", _datasets.single_element),
+        (gen_dataset_ops, "reduce_dataset", _datasets.reduce_op),
         # Reads of variables written through handles no tape could name (_versions).
         (eager_tape, "variable_accessed", _versions.accessed),
         # A variable made in a tf.function's first trace initializes itself
@@ -251,6 +266,10 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # Which gradient functions a cond, case, loop or function call in a
         # graph prepares; TensorFlow calls it through the module attribute.
         (gradients_util, "PossibleTapeGradientTypes", _control_flow.possible_gradient_types),
+        # py_function bodies, which a tape's graph runs later (_py_functions).
+        (script_ops, "_internal_py_func", _py_functions.py_function),
+        # Saving a module whose functions hold a tape's writes (_saving).
+        (saved_model_save, "_trace_gradient_functions", _saving.trace_gradient_functions),
     ]
 
 
@@ -275,8 +294,15 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
 # one may open inside them (_plain_tapes); every variable's handle is noted as
 # it is made; and a non-persistent tape asked for its gradient is closed and
 # done, yet its gradient may go through a cond's or loop's, which must know
-# whether a tape recorded an earlier one (_control_flow.branch_gradient).
+# whether a tape recorded an earlier one (_control_flow.branch_gradient); and
+# a module is saved after every tape is gone (_saving); and a function may be
+# traced before the first tape around a dataset that writes (_datasets).
 _ALWAYS_ON = (
+    _saving.trace_gradient_functions,
+    _datasets.next_element,
+    _datasets.reduce_dataset,
+    _datasets.reduce_op,
+    _datasets.single_element,
     _control_flow.branch_gradient,
     _control_flow.loop_gradient,
     _versions.constructed,

@@ -35,6 +35,9 @@ try:
     from tensorflow.python.distribute import mirrored_run
     # Parameter servers' partitioned variables, which no tape takes as a whole.
     from tensorflow.python.distribute.sharded_variable import ShardedVariable
+    # tf.data: where a dataset's functions run (iterators, reduce, single elements).
+    from tensorflow.python.data.ops import dataset_ops, iterator_ops
+    from tensorflow.python.ops import gen_dataset_ops
     # GradientTape, ForwardAccumulator, eager context, recording ops on tapes,
     # and the hook every variable read calls.
     from tensorflow.python.eager import backprop, context, forwardprop, record
@@ -74,6 +77,12 @@ try:
         tensor_array_ops,
         while_v2,
     )
+    # tf.vectorized_map's (and jacobian's) vectorizer, which traces a tf.function.
+    from tensorflow.python.ops.parallel_for import control_flow_ops as parallel_for
+    # tf.py_function / tf.numpy_function: the Python body a graph runs later.
+    from tensorflow.python.ops import script_ops
+    # SavedModels: where the gradients of a module's functions are saved.
+    from tensorflow.python.saved_model import save as saved_model_save
     # The graph class of a tf.cond branch or while body.
     from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
     from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
@@ -162,6 +171,11 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (tensor_conversion_registry, "_tensor_conversion_func_cache", "whether variables still convert as TensorFlow registered"),
     (resource_variable_ops, "_dense_var_to_tensor", "the conversion TensorFlow registered for variables"),
     (BaseResourceVariable, "_dense_var_to_tensor", "what that conversion calls, ending in value()"),
+    (dataset_ops.DatasetV2, "_inputs", "the datasets whose functions an iterator runs"),
+    (dataset_ops.DatasetV2, "_functions", "the functions a dataset runs, which may write variables"),
+    (iterator_ops.OwnedIterator, "_next_internal", "a dataset's functions run at each element"),
+    (script_ops, "_internal_py_func", "py_function bodies run when a tape's graph runs"),
+    (saved_model_save, "_trace_gradient_functions", "refusing to save the gradients of a tape's writes"),
 ]
 
 
@@ -225,9 +239,9 @@ __all__ = [
     "SUPPORTED", "PRIVATE", "ALL_REDUCE_MERGE_FN", "REPLICA_MERGE_CALL", "V1_OPTIMIZER_FINISH", "V1_OPTIMIZER_UPDATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph", "ShardedVariable",
     "UnliftedInitializerVariable",
     "UnconnectedGradients", "array_ops", "attr_value_pb2", "auto_control_deps", "backprop", "check_ops", "composite_tensor",
-    "cond_v2", "config", "config_lib", "context", "control_flow_util", "default_gradient", "distribute_lib", "distribute_utils", "distribute_values", "mirrored_run",
+    "cond_v2", "config", "config_lib", "context", "control_flow_util", "dataset_ops", "gen_dataset_ops", "iterator_ops", "default_gradient", "distribute_lib", "distribute_utils", "distribute_values", "mirrored_run",
     "dtypes", "eager_tape", "executing_eagerly", "forwardprop", "gen_array_ops", "gen_resource_variable_ops", "gen_state_ops",
     "gen_training_ops", "gradients_util", "handle_data_util", "indexed_slices", "math_ops", "nest", "ops", "profiler_trace", "pywrap_tfe",
-    "record", "resource_variable_ops", "standard_ops", "state_ops", "tensor_array_ops", "tensor_conversion_registry", "tensor_lib",
+    "record", "resource_variable_ops", "parallel_for", "saved_model_save", "script_ops", "standard_ops", "state_ops", "tensor_array_ops", "tensor_conversion_registry", "tensor_lib",
     "tensor_util", "tpu_ops", "v1_optimizer", "variable_utils", "while_v2",
 ]

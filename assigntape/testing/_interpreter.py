@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from assigntape._tape import AssignAwareTape
-from assigntape.testing._vocabulary import UNARY
+from assigntape.testing._vocabulary import BINARY, UNARY
 
 if TYPE_CHECKING:  # pragma: no cover
     from assigntape.testing._program import Program
@@ -89,11 +89,19 @@ class VariableStore:
             op = "ResourceScatter" + kind[len("scatter_"):].capitalize()
             getattr(tf.raw_ops, op)(resource=v.handle, indices=list(rows), updates=value)
 
-    def write_in_function(self, i: int, kind: str, value: Any) -> None:
-        # One call deep for even-numbered variables, two for odd ones.
+    def write_in_function(self, i: int, kind: str, value: Any, context: int = 0) -> None:
+        # One of the contexts that run a write out of the tape's sight: a
+        # tf.function one or two calls deep, a tf.data map iterated, a
+        # Dataset.reduce (``context`` 0 to 3).
         v = self.variables[i]
-        inner = tf.function(lambda x: getattr(v, kind)(x))
-        (inner if i % 2 == 0 else tf.function(lambda x: inner(x)))(value)
+        if context < 2:
+            inner = tf.function(lambda x: getattr(v, kind)(x))
+            (inner if context == 0 else tf.function(lambda x: inner(x)))(value)
+        elif context == 2:
+            for _ in tf.data.Dataset.from_tensors(value).map(lambda x: (getattr(v, kind)(x), x)[1]):
+                pass
+        else:
+            tf.data.Dataset.from_tensors(value).reduce(np.int32(0), lambda s, x: (getattr(v, kind)(x), s)[1])
 
     def final(self, i: int) -> Any:
         return self.variables[i]
@@ -226,7 +234,7 @@ class TensorStore:
         combine = kind.split("_")[-1]
         self.tensors[i] = PARTIAL_REWRITES[combine](old, [[r] for r in rows], value)
 
-    def write_in_function(self, i: int, kind: str, value: Any) -> None:
+    def write_in_function(self, i: int, kind: str, value: Any, context: int = 0) -> None:
         self.write(i, kind, value, True)  # cut: a new version, no gradient path
 
     def final(self, i: int) -> Any:
@@ -307,7 +315,8 @@ def interpret(program: "Program", store: Any, params: Sequence[Any], on_event: O
             what, i, kind, a, b, op, unary = stmt
             value = _fit(UNARY[unary](_binary(op, value_of(a), value_of(b))), program.shapes[i], dtypes[i])
             if what == "fn_write":
-                store.write_in_function(i, kind, value)
+                # The context, spread over the statement's other choices.
+                store.write_in_function(i, kind, value, (i + BINARY.index(op) + list(UNARY).index(unary)) % 4)
             else:
                 store.write(i, kind, value, what == "write_stopped")
     terms = [_real_term(t) for t in temps]

@@ -6,8 +6,8 @@ that ``repr`` of a program is Python source):
 * ``("read", operand, unary)``: a new temporary, ``UNARY[unary](operand)``.
 * ``(what, i, kind, a, b, op, unary)`` with ``what`` one of ``"write"``,
   ``"write_stopped"`` (under ``stop_recording``) or ``"fn_write"`` (inside a
-  ``tf.function``, cut): variable ``i`` written by ``kind`` (a ``FULL_WRITES``
-  method) with ``UNARY[unary](BINARY op of a and b)``.
+  ``tf.function`` or a ``tf.data`` function, cut): variable ``i`` written by
+  ``kind`` (a ``FULL_WRITES`` method) with ``UNARY[unary](BINARY op of a and b)``.
 * ``("write_const", i, kind)``: variable ``i`` written with a constant.
 * ``("partial", i, kind, rows, a, b, op, unary, broadcast)``: a ``PARTIAL_WRITES``
   write of ``rows`` of variable ``i``; ``broadcast`` is ``""``, ``"scalar"`` or

@@ -1,0 +1,512 @@
+"""TensorFlow's execution contexts as a dimension of the tests.
+
+One program, crossed with every context a write can run in, every recorder
+kind and every write kind: the write either is differentiated (equal to the
+assignment-free rewrite under a plain tape) or raises an ``AssignTapeError``
+naming the context; never a gradient credited to the version before the
+write. The program reads ``v`` before the context (so the tape tracks it),
+writes ``v`` inside the context from ``v``, ``x`` and an element ``e``, and
+reads ``v`` and ``x`` after it: ``y = sum(v * v) * x``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Callable, Dict, List, Tuple
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import assigntape
+from assigntape import AssignAwareTape, AssignTapeError, ControlFlowWriteError, SavedModelError, UntrackedWriteError
+
+V0 = np.array([1.5, -0.5, 2.0])
+X0 = 0.7
+E = 1.25
+# Tangents of the forward recorders: x and v, along these directions.
+TX, TV = 0.3, np.array([1.0, -2.0, 0.5])
+
+
+# -- write kinds: each as a write to the variable, and as its rewrite --------
+
+def _assign(v: Any, x: Any, e: Any) -> Any:
+    return v.assign(v * x * e)
+
+
+def _assign_add(v: Any, x: Any, e: Any) -> Any:
+    return v.assign_add(x * e * v * v)
+
+
+def _scatter(v: Any, x: Any, e: Any) -> Any:
+    return v.scatter_nd_update([[1]], tf.reshape(v[0] * x * e, [1]))
+
+
+def _slice(v: Any, x: Any, e: Any) -> Any:
+    return v[1:].assign(v[:2] * x + e)
+
+
+WRITES: Dict[str, Callable[[Any, Any, Any], Any]] = {
+    "assign": _assign,
+    "assign_add": _assign_add,
+    "scatter": _scatter,
+    "slice": _slice,
+}
+
+
+def _rewrite(kind: str, v: tf.Tensor, x: tf.Tensor, e: Any) -> tf.Tensor:
+    """The write as the pure function it stands for (README, Supported writes)."""
+    if kind == "assign":
+        return v * x * e
+    if kind == "assign_add":
+        return v + x * e * v * v
+    if kind == "scatter":
+        return tf.tensor_scatter_nd_update(v, [[1]], tf.reshape(v[0] * x * e, [1]))
+    if kind == "slice":
+        return tf.concat([v[:1], v[:2] * x + e], 0)
+    raise ValueError(kind)
+
+
+def _oracle(kind: str) -> Tuple[float, List[np.ndarray]]:
+    """y and [dy/dx, dy/dv] of the rewrite, under a plain tape."""
+    x = tf.constant(X0, tf.float64)
+    v = tf.constant(V0, tf.float64)
+    with tf.GradientTape() as tape:
+        tape.watch([x, v])
+        before = tf.reduce_sum(v)  # the read before the context
+        w = _rewrite(kind, v, x, tf.constant(E, tf.float64))
+        y = tf.reduce_sum(w * w) * x + 0.0 * before
+    gx, gv = tape.gradient(y, [x, v])
+    return float(y), [np.asarray(gx), np.asarray(gv)]
+
+
+# -- contexts: where the write runs --------------------------------------------
+# Each takes the write (a function of v, x and the element e) and builds, before
+# the recorder opens (TensorFlow's own forward mode cannot build a dataset that
+# captures a variable with a tangent), what runs the write in that context
+# from the tape's code. Contexts with mode "function" or "xla" run the whole
+# program, recorder included, in a tf.function.
+
+Runner = Callable[[], None]
+
+
+def _element() -> tf.Tensor:
+    return tf.constant(E, tf.float64)
+
+
+def _direct(write: Callable[..., Any], v: Any, x: Any) -> Runner:
+    return lambda: write(v, x, _element())
+
+
+def _called_function(write: Callable[..., Any], v: Any, x: Any, jit: bool = False) -> Runner:
+    @tf.function(jit_compile=jit)
+    def step(e: Any) -> Any:
+        write(v, x, e)
+        return e
+
+    return lambda: step(_element())
+
+
+def _iterate(ds: tf.data.Dataset) -> Runner:
+    def run() -> None:
+        for _ in ds:
+            pass
+
+    return run
+
+
+def _dataset_map(write: Callable[..., Any], v: Any, x: Any) -> Runner:
+    return _iterate(tf.data.Dataset.from_tensors(_element()).map(lambda e: (write(v, x, e), e)[1]))
+
+
+def _dataset_filter(write: Callable[..., Any], v: Any, x: Any) -> Runner:
+    return _iterate(tf.data.Dataset.from_tensors(_element()).filter(lambda e: (write(v, x, e), True)[1]))
+
+
+def _dataset_reduce(write: Callable[..., Any], v: Any, x: Any) -> Runner:
+    ds = tf.data.Dataset.from_tensors(_element())
+    # (The reduce function is traced by reduce itself, in the recorder.)
+    return lambda: ds.reduce(tf.constant(0.0, tf.float64), lambda s, e: (write(v, x, e), s + e)[1])
+
+
+def _dataset_scan(write: Callable[..., Any], v: Any, x: Any) -> Runner:
+    return _iterate(
+        tf.data.Dataset.from_tensors(_element()).scan(
+            tf.constant(0.0, tf.float64), lambda s, e: (write(v, x, e), (s + e, e))[1]
+        )
+    )
+
+
+def _dataset_interleave(write: Callable[..., Any], v: Any, x: Any) -> Runner:
+    inner = lambda e: tf.data.Dataset.from_tensors(e).map(lambda f: (write(v, x, f), f)[1])  # noqa: E731
+    return _iterate(tf.data.Dataset.from_tensors(_element()).interleave(inner, cycle_length=1))
+
+
+def _dataset_single_element(write: Callable[..., Any], v: Any, x: Any) -> Runner:
+    ds = tf.data.Dataset.from_tensors(_element()).map(lambda e: (write(v, x, e), e)[1])
+    return lambda: ds.get_single_element()
+
+
+def _py_function(write: Callable[..., Any], v: Any, x: Any) -> Runner:
+    def body(e: Any) -> Any:
+        write(v, x, e)
+        return e
+
+    return lambda: tf.py_function(body, [_element()], tf.float64)
+
+
+def _numpy_function(write: Callable[..., Any], v: Any, x: Any) -> Runner:
+    def body(e: Any) -> Any:
+        write(v, x, tf.constant(e))
+        return e
+
+    return lambda: tf.numpy_function(body, [np.float64(E)], tf.float64)
+
+
+def _map_fn(write: Callable[..., Any], v: Any, x: Any) -> Runner:
+    return lambda: tf.map_fn(lambda e: (write(v, x, e), e)[1], tf.constant([E], tf.float64))
+
+
+def _vectorized_map(write: Callable[..., Any], v: Any, x: Any) -> Runner:
+    return lambda: tf.vectorized_map(lambda e: (write(v, x, e), e)[1], tf.constant([E], tf.float64))
+
+
+class _Module(tf.Module):
+    def __init__(self, v: Any, x: Any, write: Callable[..., Any]) -> None:
+        super().__init__()
+        self.v, self.x, self._write = v, x, write
+
+    @tf.function(input_signature=[tf.TensorSpec((), tf.float64)])
+    def step(self, e: Any) -> Any:
+        self._write(self.v, self.x, e)
+        return e
+
+
+def _saved_model(write: Callable[..., Any], v: Any, x: Any) -> Runner:
+    """A SavedModel's function that writes, loaded and called from the tape:
+    ``_prepare`` loads it and puts its own variables in ``v``'s and ``x``'s place."""
+    loaded = _LOADED[-1]
+    return lambda: loaded.step(_element())
+
+
+_LOADED: List[Any] = []
+
+
+def _prepare(name: str, write: Callable[..., Any], v: Any, x: Any) -> Tuple[Any, Any]:
+    """The variables the program uses: a loaded SavedModel's own, for that context."""
+    if name != "loaded SavedModel function":
+        return v, x
+    path = os.path.join(tempfile.mkdtemp(), "m")
+    tf.saved_model.save(_Module(v, x, write), path)
+    loaded = tf.saved_model.load(path)
+    _LOADED[:] = [loaded]
+    return loaded.v, loaded.x
+
+
+# name -> (the context, whether the whole program runs in a tf.function,
+# what is expected: "same" (differentiated) or the refusal's error type and
+# a fragment of its message naming the context).
+Expect = Any
+CONTEXTS: Dict[str, Tuple[Callable[..., None], str, Expect]] = {
+    "eager": (_direct, "eager", "same"),
+    "tf.function": (_direct, "function", "same"),
+    "xla": (_direct, "xla", "same"),
+    "called tf.function": (_called_function, "eager", (UntrackedWriteError, "tf.function 'step'")),
+    "called xla function": (
+        lambda w, v, x: _called_function(w, v, x, jit=True), "eager", (UntrackedWriteError, "tf.function 'step'")
+    ),
+    "tf.function called in the tape's function": (
+        _called_function, "function", (ControlFlowWriteError, "tf.function 'step'")
+    ),
+    "dataset map": (_dataset_map, "eager", (UntrackedWriteError, "tf.data function")),
+    "dataset filter": (_dataset_filter, "eager", (UntrackedWriteError, "tf.data function")),
+    "dataset reduce": (_dataset_reduce, "eager", (UntrackedWriteError, "tf.data function")),
+    "dataset scan": (_dataset_scan, "eager", (UntrackedWriteError, "tf.data function")),
+    "dataset interleave": (_dataset_interleave, "eager", (UntrackedWriteError, "tf.data function")),
+    "dataset single element": (_dataset_single_element, "eager", (UntrackedWriteError, "tf.data function")),
+    "dataset map in the tape's function": (_dataset_map, "function", (ControlFlowWriteError, "tf.data function")),
+    "dataset reduce in the tape's function": (_dataset_reduce, "function", (ControlFlowWriteError, "tf.data function")),
+    "py_function": (_py_function, "eager", "same"),
+    "numpy_function": (_numpy_function, "eager", "same"),
+    # The body runs when the graph runs, in TensorFlow's runtime, which
+    # reports the refusal as its own UnknownError, with the message.
+    "py_function in the tape's function": (
+        _py_function, "function", (tf.errors.UnknownError, "UntrackedWriteError: The Python function 'body'")
+    ),
+    "numpy_function in the tape's function": (
+        _numpy_function, "function", (tf.errors.UnknownError, "UntrackedWriteError: The Python function 'body'")
+    ),
+    "map_fn": (_map_fn, "eager", "same"),
+    # Forward mode through a graph loop that reads a variable with a tangent
+    # is refused (README, Known limits: Forward mode).
+    "map_fn in the tape's function": (_map_fn, "function", {
+        "AssignAwareTape": "same",
+        "plain tape beside": "same",
+        "tf ForwardAccumulator": (ControlFlowWriteError, "(?s)graph loop.*x_read"),
+        "assigntape ForwardAccumulator": (ControlFlowWriteError, "(?s)graph loop.*x_read"),
+    }),
+    "vectorized_map": (_vectorized_map, "eager", (AssignTapeError, "vectorized_map")),
+    # Inside a graph, TensorFlow's pfor falls back to a graph loop for a
+    # write it cannot vectorize, in the tape's graph: followed.
+    "vectorized_map in the tape's function": (_vectorized_map, "function", "same"),
+    "loaded SavedModel function": (_saved_model, "eager", (AssignTapeError, "tf.function")),
+}
+
+
+@pytest.fixture(autouse=True)
+def _forget_py_function_tapes() -> Any:
+    """An eager py_function keeps the tf.GradientTape it ran its body under,
+    for its own gradient, until that gradient is asked (TensorFlow's
+    ``script_ops.tape_cache``); a plain tape that ran beside an
+    AssignAwareTape keeps the patches, and later tests call ``uninstall()``."""
+    from tensorflow.python.ops import script_ops
+
+    before = set(script_ops.tape_cache)
+    yield
+    for token in set(script_ops.tape_cache) - before:
+        del script_ops.tape_cache[token]
+
+
+# -- recorders ----------------------------------------------------------------
+
+RECORDERS = ("AssignAwareTape", "plain tape beside", "tf ForwardAccumulator", "assigntape ForwardAccumulator")
+
+
+def _program(context: Runner, v: Any, x: Any) -> Any:
+    before = tf.reduce_sum(v)  # the tape reads v before the context
+    context()
+    return tf.reduce_sum(v * v) * x + 0.0 * before
+
+
+def _recorded(recorder: str, make: Callable[..., Runner], write: Callable[..., Any], v: Any, x: Any) -> Tuple[Any, Any]:
+    """y and what the recorder gives: [dy/dx, dy/dv], or the jvp along (TX, TV)."""
+    context = make(write, v, x)
+    if recorder == "AssignAwareTape":
+        with AssignAwareTape() as tape:
+            y = _program(context, v, x)
+        return y, tape.gradient(y, [x, v])
+    if recorder == "plain tape beside":
+        with tf.GradientTape() as plain:
+            with AssignAwareTape():
+                y = _program(context, v, x)
+        return y, plain.gradient(y, [x, v])
+    tangents = [tf.constant(TX, tf.float64), tf.constant(TV, tf.float64)]
+    if recorder == "tf ForwardAccumulator":
+        with tf.autodiff.ForwardAccumulator([x, v], tangents) as acc:
+            with AssignAwareTape():
+                y = _program(context, v, x)
+        return y, acc.jvp(y)
+    with assigntape.ForwardAccumulator([x, v], tangents) as acc:
+        y = _program(context, v, x)
+    return y, acc.jvp(y)
+
+
+def _run(mode: str, fn: Callable[[], Any]) -> Any:
+    if mode == "eager":
+        return fn()
+    return tf.function(fn, jit_compile=(mode == "xla"))()
+
+
+@pytest.mark.parametrize("kind", sorted(WRITES))
+@pytest.mark.parametrize("recorder", RECORDERS)
+@pytest.mark.parametrize("name", sorted(CONTEXTS))
+def test_a_write_in_every_context_is_differentiated_or_refused(name: str, recorder: str, kind: str) -> None:
+    context, mode, expect = CONTEXTS[name]
+    if mode == "xla" and kind == "slice":
+        pytest.skip("XLA's slice write does not broadcast a value (README, Compiled use)")
+    v = tf.Variable(V0, dtype=tf.float64, name="v_written")
+    x = tf.Variable(X0, dtype=tf.float64, name="x_read")
+    write = WRITES[kind]
+    v, x = _prepare(name, write, v, x)
+    if isinstance(expect, dict):
+        expect = expect[recorder]
+    if expect != "same":
+        error, fragment = expect
+        # The refusal names the variable written and the context.
+        pattern = fragment if fragment.startswith("(?s)") else f"(?s)v_written.*{_re(fragment)}|{_re(fragment)}.*v_written"
+        with pytest.raises(error, match=pattern):
+            _run(mode, lambda: _recorded(recorder, context, write, v, x))
+        return
+    y, answer = _run(mode, lambda: _recorded(recorder, context, write, v, x))
+    y_ref, (gx, gv) = _oracle(kind)
+    np.testing.assert_allclose(float(y), y_ref, rtol=1e-10)
+    if recorder in ("AssignAwareTape", "plain tape beside"):
+        assert answer[0] is not None and answer[1] is not None
+        np.testing.assert_allclose(np.asarray(answer[0]), gx, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(answer[1]), gv, rtol=1e-9, atol=1e-12)
+    else:
+        # The jvp is the gradient's dot product with the tangents.
+        assert answer is not None
+        np.testing.assert_allclose(float(answer), gx * TX + float(np.dot(gv, TV)), rtol=1e-9, atol=1e-12)
+
+
+def _re(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+# -- SavedModels of a function whose own tape writes ----------------------------
+
+class _TapeModule(tf.Module):
+    """A function holding a tape that writes: the hypergradient of one step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = tf.Variable(V0, dtype=tf.float64, name="v_written")
+
+    @tf.function(input_signature=[tf.TensorSpec((), tf.float64)])
+    def step(self, x: Any) -> Any:
+        with AssignAwareTape() as tape:
+            tape.watch(x)
+            self.v.assign(self.v * x * E)
+            y = tf.reduce_sum(self.v * self.v) * x
+        return y, tape.gradient(y, x)
+
+
+def _step_rewrite(x0: float) -> Tuple[float, float]:
+    # y = sum((v0 x E)^2) x = sum(v0^2) E^2 x^3; dy/dx = 3 sum(v0^2) E^2 x^2.
+    s = float(np.sum(V0 * V0)) * E * E
+    return s * x0**3, 3 * s * x0**2
+
+
+def test_saving_the_gradients_of_a_tapes_writes_is_refused_saying_why() -> None:
+    """TensorFlow's own error was a ValueError about IdentityN."""
+    module = _TapeModule()
+    with pytest.raises(SavedModelError, match="(?s)step.*experimental_custom_gradients=False"):
+        tf.saved_model.save(module, os.path.join(tempfile.mkdtemp(), "m"))
+
+
+def test_a_loaded_function_computes_the_same_and_a_gradient_through_it_is_refused() -> None:
+    """Saved without custom gradients: the loaded function's values and its
+    own tape's gradient are the rewrite's; a gradient through it would be cut
+    at the write (it was silently wrong), and is refused."""
+    path = os.path.join(tempfile.mkdtemp(), "m")
+    tf.saved_model.save(_TapeModule(), path, options=tf.saved_model.SaveOptions(experimental_custom_gradients=False))
+    loaded = tf.saved_model.load(path)
+    x = tf.constant(X0, tf.float64)
+    y, dy_dx = loaded.step(x)
+    y_ref, g_ref = _step_rewrite(X0)
+    np.testing.assert_allclose([float(y), float(dy_dx)], [y_ref, g_ref], rtol=1e-10)
+    loaded.v.assign(V0)
+    # (TensorFlow builds the function's gradient when a recording tape
+    # watches its input: the refusal comes at the call, or at the gradient.)
+    with pytest.raises(SavedModelError, match="loaded from a SavedModel"):
+        with tf.GradientTape() as outer:
+            outer.watch(x)
+            y, _ = loaded.step(x)
+        outer.gradient(y, x)
+
+
+# -- the cut option, and what a refusal suggests ---------------------------------
+
+# No element made ahead, in the background, before the iterator is asked for
+# it (a write made there is not refused: README, Known limits).
+_NOT_AHEAD = tf.data.Options()
+_NOT_AHEAD.autotune.enabled = False
+_NOT_AHEAD.experimental_optimization.inject_prefetch = False
+
+@pytest.mark.parametrize("how", ["map", "reduce"])
+def test_a_dataset_write_is_cut_by_option_and_left_unwritten_when_refused(how: str) -> None:
+    """With untracked_writes='cut' the write is a version with no gradient
+    path: the rewrite with the written value under tf.stop_gradient.
+    Refused, nothing is written."""
+    v = tf.Variable(V0, dtype=tf.float64, name="v_written")
+    x = tf.Variable(X0, dtype=tf.float64, name="x_read")
+    e = tf.constant(E, tf.float64)
+    if how == "map":
+        ds = tf.data.Dataset.from_tensors(e).map(lambda f: (v.assign(v * x * f), f)[1]).with_options(_NOT_AHEAD)
+        run = lambda: [None for _ in ds]  # noqa: E731
+    else:
+        ds = tf.data.Dataset.from_tensors(e)
+        run = lambda: ds.reduce(tf.constant(0.0, tf.float64), lambda s, f: (v.assign(v * x * f), s)[1])  # noqa: E731
+    with AssignAwareTape() as tape:
+        before = tf.reduce_sum(v)
+        with pytest.raises(UntrackedWriteError, match="(?s)tf.data function.*v_written.*write the variable in the loop body"):
+            run()
+    np.testing.assert_array_equal(v.numpy(), V0)  # refused before it ran
+    assert len(tape.versions(v)) == 1
+    with AssignAwareTape(untracked_writes="cut") as tape:
+        before = tf.reduce_sum(v)
+        with pytest.warns(UserWarning, match="v_written"):
+            run()
+        y = tf.reduce_sum(v * v) * x + 0.0 * before
+    # Rewrite: w = stop_gradient(v0 x E); y = sum(w^2) x, so dy/dx = sum(w^2)
+    # and dy/dv0 = 0 (no path through the cut write).
+    w = V0 * X0 * E
+    gx, gv = tape.gradient(y, [x, v], unconnected_gradients="zero")
+    np.testing.assert_allclose(float(gx), float(np.sum(w * w)), rtol=1e-12)
+    np.testing.assert_array_equal(np.asarray(gv), np.zeros(3))
+
+
+def test_a_refused_library_function_suggests_running_functions_eagerly_which_works() -> None:
+    """A step function the user does not own (a library's, as in
+    tfp.math.minimize) cannot be edited: the refusal names
+    tf.config.run_functions_eagerly(True), and with it the tape follows the
+    write and the gradient is the rewrite's."""
+    v = tf.Variable(V0, dtype=tf.float64, name="v_written")
+    x = tf.Variable(X0, dtype=tf.float64, name="x_read")
+
+    @tf.function
+    def library_step(e: Any) -> Any:
+        return v.assign(v * x * e)
+
+    e = tf.constant(E, tf.float64)
+    with AssignAwareTape():
+        with pytest.raises(UntrackedWriteError, match=r"tf\.config\.run_functions_eagerly\(True\)"):
+            library_step(e)
+    tf.config.run_functions_eagerly(True)
+    try:
+        with AssignAwareTape() as tape:
+            library_step(e)
+            y = tf.reduce_sum(v * v) * x
+        got = tape.gradient(y, [x, v])
+    finally:
+        tf.config.run_functions_eagerly(False)
+    _, (gx, gv) = _oracle("assign")
+    np.testing.assert_allclose(float(got[0]), gx, rtol=1e-10)
+    np.testing.assert_allclose(np.asarray(got[1]), gv, rtol=1e-10)
+
+
+def test_a_refusal_in_the_tapes_function_suggests_running_functions_eagerly() -> None:
+    v = tf.Variable(V0, dtype=tf.float64, name="v_written")
+
+    @tf.function
+    def library_step() -> Any:
+        return v.assign(v * 2.0)
+
+    @tf.function
+    def step() -> Any:
+        with AssignAwareTape():
+            library_step()
+
+    with pytest.raises(ControlFlowWriteError, match=r"(?s)v_written.*tf\.config\.run_functions_eagerly\(True\)"):
+        step()
+
+
+@pytest.mark.parametrize("how", ["next", "reduce"])
+def test_a_function_traced_before_any_tape_that_runs_a_captured_dataset_is_refused(how: str) -> None:
+    """The dataset (made outside, its functions not among the function's)
+    runs its writes when the function, traced before the tape, is called
+    from the tape: refused like a function that writes."""
+    v = tf.Variable(V0, dtype=tf.float64, name="v_written")
+    x = tf.Variable(X0, dtype=tf.float64, name="x_read")
+    ds = tf.data.Dataset.from_tensors(tf.constant(E, tf.float64)).map(lambda e: (v.assign(v * x * e), e)[1]).repeat()
+    ds = ds.with_options(_NOT_AHEAD)
+    iterator = iter(ds)
+
+    @tf.function
+    def pull() -> Any:
+        if how == "next":
+            return next(iterator)
+        return ds.take(1).reduce(tf.constant(0.0, tf.float64), lambda s, e: s + e)
+
+    pull()  # traced (and run) outside every tape
+    v.assign(V0)
+    with AssignAwareTape() as tape:
+        before = tf.reduce_sum(v)
+        with pytest.raises(UntrackedWriteError, match="(?s)pull.*v_written|v_written.*pull"):
+            pull()
+    np.testing.assert_array_equal(v.numpy(), V0)
+    del tape, before
