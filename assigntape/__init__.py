@@ -14,6 +14,7 @@ from assigntape._errors import (
     AssignTapeError,
     ControlFlowWriteError,
     DuplicateIndicesError,
+    GraphWriteOrderError,
     NotAVariableError,
     UntrackedWriteError,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "DuplicateIndicesError",
     "Explanation",
     "ForwardAccumulator",
+    "GraphWriteOrderError",
     "History",
     "NotAVariableError",
     "Reason",
