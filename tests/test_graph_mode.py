@@ -67,8 +67,10 @@ def test_the_error_is_exported_and_narrows_not_implemented() -> None:
 
 # f02: a write in a control-flow-v2 tf.cond branch / tf.while_loop body of a TF1 graph
 # (TensorFlow prunes it: nothing depends on it).
-@pytest.mark.parametrize("kind", ["cond", "while"])
-def test_f02_write_in_a_v2_body_of_a_tf1_graph_is_refused(kind: str) -> None:
+def _write_in_body(kind: str) -> Callable[[Any, Any], None]:
+    """A tf.cond branch or tf.while_loop body (2 iterations) that writes w,
+    its output not depending on the write."""
+
     def build(x: Any, w: Any) -> None:
         def branch() -> Any:
             w.assign(w * x)
@@ -77,9 +79,14 @@ def test_f02_write_in_a_v2_body_of_a_tf1_graph_is_refused(kind: str) -> None:
         if kind == "cond":
             tf.cond(tf.constant(True), branch, lambda: tf.constant(2.0))
         else:
-            tf.while_loop(lambda i: i < 3, lambda i: [i + 1 + 0 * tf.cast(branch(), tf.int32)], [tf.constant(0)])
+            tf.while_loop(lambda i: i < 2, lambda i: [i + 1 + 0 * tf.cast(branch(), tf.int32)], [tf.constant(0)])
 
-    _refused_in_graph(build)
+    return build
+
+
+@pytest.mark.parametrize("kind", ["cond", "while"])
+def test_f02_write_in_a_v2_body_of_a_tf1_graph_is_refused(kind: str) -> None:
+    _refused_in_graph(_write_in_body(kind))
 
 
 # f03: TF1 control flow (disable_control_flow_v2): cond and while_loop bodies that write.
@@ -88,18 +95,7 @@ def test_f03_write_in_tf1_control_flow_is_refused(kind: str) -> None:
     before = control_flow_util.ENABLE_CONTROL_FLOW_V2
     tf.compat.v1.disable_control_flow_v2()
     try:
-
-        def build(x: Any, w: Any) -> None:
-            def branch() -> Any:
-                w.assign(w * x)
-                return tf.constant(1.0)
-
-            if kind == "cond":
-                tf.cond(tf.constant(True), branch, lambda: tf.constant(2.0))
-            else:
-                tf.while_loop(lambda i: i < 2, lambda i: [i + 1 + 0 * tf.cast(branch(), tf.int32)], [tf.constant(0)])
-
-        _refused_in_graph(build)
+        _refused_in_graph(_write_in_body(kind))
     finally:
         control_flow_util.ENABLE_CONTROL_FLOW_V2 = before
 
