@@ -1293,7 +1293,8 @@ def refuse_unordered_graph(handles: Sequence[Any], op_name: str) -> None:
     in its cond and loop bodies too): a gradient, even a value, could be
     silently wrong. Raised before anything is written or noted. A write while
     a variable is created (its initializer) is creation, not refused."""
-    if not getattr(_tls, "scopes", None) or executing_eagerly() or getattr(_tls, "creating", 0):
+    creating: int = getattr(_tls, "creating", 0)
+    if creating or not getattr(_tls, "scopes", None) or executing_eagerly():
         return
     graph = ops.get_default_graph()
     if getattr(graph, "_add_control_dependencies", False):
@@ -1333,7 +1334,8 @@ def _resource_name(handle: Any) -> str:
         return str(var.name)
     op = getattr(handle, "op", None)
     if op is not None and op.type == "VarHandleOp":
-        return op.get_attr("shared_name").decode() or op.name
+        name: str = op.get_attr("shared_name").decode() or op.name
+        return name
     return str(getattr(op, "name", "a variable"))
 
 
