@@ -286,3 +286,25 @@ def test_the_same_write_in_a_tf_function_is_followed() -> None:
     gx, gw = f()
     assert float(gx) == pytest.approx(6.0)
     assert float(gw) == pytest.approx(2.25)
+
+
+def test_f10_wrap_function_traced_inside_an_eager_tape_is_refused() -> None:
+    """As f04, with wrap_function: the eager tape is open while the function's
+    graph (no automatic control dependencies) is built with a write."""
+    w = tf.Variable(2.0)
+    messages = []
+
+    def f() -> Any:
+        try:
+            w.assign(w * 1.5)
+        except AssignTapeError as e:
+            messages.append(str(e))
+        return w.read_value()
+
+    with AssignAwareTape() as t:
+        y = tf.compat.v1.wrap_function(f, [])() * w  # no write ran: y = w0 * w0
+    assert len(messages) == 1 and REFUSED in messages[0] and "AssignVariableOp" in messages[0]
+    assert float(y) == pytest.approx(4.0)
+    # The program with the write refused: y = w * w, dy/dw = 2 w0 = 4.
+    assert float(t.gradient(y, w)) == pytest.approx(4.0)
+    assert float(w.numpy()) == 2.0
