@@ -11,6 +11,7 @@ __all__ = [
     "AssignTapeError",
     "ControlFlowWriteError",
     "DuplicateIndicesError",
+    "GraphWriteOrderError",
     "NotAVariableError",
     "SavedModelError",
     "UntrackedWriteError",
@@ -51,6 +52,21 @@ class ControlFlowWriteError(AssignTapeError, NotImplementedError):
     recording while ``tf.gradients`` (or another tape's gradient) went
     through it: second order through ``tf.gradients``, which the tape cannot
     see whole (a persistent tape, or a tape inside the tape, can).
+    """
+
+
+class GraphWriteOrderError(AssignTapeError, NotImplementedError):
+    """A floating-point variable was written, while a tape is open in the
+    thread, in a graph with no automatic control dependencies: a TF1 graph
+    (``tf.Graph().as_default()`` run by a ``tf.compat.v1.Session``, its
+    ``tf.cond`` and ``tf.while_loop`` bodies, TF1 control flow included) or a
+    ``tf.compat.v1.wrap_function``.
+
+    There ops run in no build order and a write nothing depends on is pruned,
+    so the order of the writes is not known when the graph is built, and the
+    tape's versions (which assume build order is run order, as a
+    ``tf.function`` guarantees) could be silently wrong. Build the program in
+    a ``tf.function``, or make the write outside every tape.
     """
 
 

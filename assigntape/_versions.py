@@ -45,7 +45,7 @@ from assigntape._tf import (
 )
 
 from assigntape import _leases
-from assigntape._errors import ControlFlowWriteError, NotAVariableError, UntrackedWriteError
+from assigntape._errors import ControlFlowWriteError, GraphWriteOrderError, NotAVariableError, UntrackedWriteError
 from assigntape._record import Record, WriteRecord
 
 __all__ = [
@@ -1313,6 +1313,76 @@ def check_writable_here(scope: Scope, var: Any, op_name: str) -> Any:
     )
 
 
+def refuse_unordered_graph(handles: Sequence[Any], op_name: str) -> None:
+    """Refuses a write to a floating-point variable built, while a tape is open
+    in this thread (an AssignAwareTape, or versions held for a followed plain
+    recorder), in a graph with no automatic control dependencies: a TF1 graph
+    (its cond and loop bodies, TF1 control flow included) or a
+    ``tf.compat.v1.wrap_function``. There ops run in no build order and a
+    write nothing depends on is pruned, while versions assume build order is
+    run order (which a ``tf.function``'s automatic control dependencies give,
+    in its cond and loop bodies too): a gradient, even a value, could be
+    silently wrong. Raised before anything is written or noted. A write while
+    a variable is created (its initializer) is creation, not refused."""
+    creating: int = getattr(_tls, "creating", 0)
+    if creating or not getattr(_tls, "scopes", None) or executing_eagerly():
+        return
+    graph = ops.get_default_graph()
+    if getattr(graph, "_add_control_dependencies", False):
+        return
+    for handle in handles:
+        dtype = _resource_dtype(handle)
+        if dtype is not None and not (dtype.is_floating or dtype.is_complex):
+            continue  # not differentiable: plain TensorFlow, as everywhere
+        raise GraphWriteOrderError(
+            f"{op_name} to variable {_resource_name(handle)!r} in a TF1 graph / wrap_function while an "
+            "AssignAwareTape is open in this thread: a TF1 graph / wrap_function has no automatic "
+            "control dependencies, so the order of writes is not known when the graph is built "
+            "(TensorFlow may run them in any order, or prune a write nothing depends on), and the "
+            "tape's versions could be silently wrong. Build the program in a tf.function (with the "
+            "tape inside it, or around its call), or make the write outside every tape."
+        )
+
+
+def _resource_dtype(handle: Any) -> Any:
+    """The dtype of the variable a resource handle names, or None if unknown."""
+    var = _scope_owner(handle)
+    if var is not None:
+        return var.dtype
+    try:
+        data = resource_variable_ops.get_eager_safe_handle_data(handle)
+    except (TypeError, ValueError, AttributeError):
+        return None
+    if not data.is_set or not data.shape_and_type:
+        return None
+    return dtypes.as_dtype(data.shape_and_type[0].dtype)
+
+
+def _resource_name(handle: Any) -> str:
+    """A name for the variable behind a resource handle, for a message."""
+    var = _scope_owner(handle)
+    if var is not None:
+        return str(var.name)
+    op = getattr(handle, "op", None)
+    if op is not None and op.type == "VarHandleOp":
+        name: str = op.get_attr("shared_name").decode() or op.name
+        return name
+    return str(getattr(op, "name", "a variable"))
+
+
+def _scope_owner(handle: Any) -> Optional[Any]:
+    """The variable a handle names: its own (eager) handle, or a version or
+    handle served by a scope of this thread."""
+    var = variable_of_handle(handle)
+    if var is not None:
+        return var
+    for scope in getattr(_tls, "scopes", {}).values():
+        var = scope.owners.get(id(handle))
+        if var is not None:
+            return var
+    return None
+
+
 def note_handle(inst: Any, value: Any) -> None:
     """A variable's handle was set: noted, so that a write through a handle
     fetched before a tape opened can name its variable (``owner``)."""
@@ -1333,7 +1403,13 @@ def constructed(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
     which set ``_handle``: noted while no descriptor is there to see it (a
     variable of another class, made outside every tape, is named only once
     a tape has read it)."""
-    wrapped(*args, **kwargs)
+    # Its initializing write, in a graph, is creation: not refused as a write
+    # in a graph with no automatic control dependencies (``refuse_unordered_graph``).
+    _tls.creating = getattr(_tls, "creating", 0) + 1
+    try:
+        wrapped(*args, **kwargs)
+    finally:
+        _tls.creating -= 1
     handle = instance.__dict__.get("_handle")
     if handle is not None:
         note_handle(instance, handle)

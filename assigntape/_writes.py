@@ -37,6 +37,7 @@ def tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Cal
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         arguments = bind(params, args, kwargs)
         handle = arguments.get(rule.resource_arg)
+        _versions.refuse_unordered_graph([handle], op_name)
         found = _versions.owner(handle)
         if found is None or not _versions.differentiable(found[1]):
             _versions.refuse_other_thread(handle, None, op_name)
@@ -124,6 +125,7 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         arguments = bind(params, args, kwargs)
         handles = {name: arguments.get(name) for name in kernel.writes}
+        _versions.refuse_unordered_graph([h for h in handles.values() if h is not None], op_name)
         owners = {name: _versions.owner(handle) for name, handle in handles.items()}
         for name, handle in handles.items():
             owner = owners[name]
@@ -313,6 +315,7 @@ def untracked_write(op_name: str, params: Sequence[str]) -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         arguments = bind(params, args, kwargs)
         handles = _resource_arguments(arguments)
+        _versions.refuse_unordered_graph(handles, op_name)
         hits = [h for h in map(_versions.owner, handles) if h is not None]
         hits = [(scope, var) for scope, var in hits if _versions.differentiable(var)]
         for h in handles:
