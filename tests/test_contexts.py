@@ -268,6 +268,22 @@ def _forget_py_function_tapes() -> Any:
         del script_ops.tape_cache[token]
 
 
+@pytest.fixture(autouse=True)
+def _restore_the_variable_scope() -> Any:
+    """TensorFlow's ``tf.map_fn``, tracing, sets the default variable scope's
+    caching device and has no ``finally`` to unset it: any exception in its
+    function (here, the refusals this module expects) leaves it set, and a
+    ``MirroredStrategy`` made eagerly afterwards in this process fails
+    ("Caching devices is not yet supported when eager execution is
+    enabled"). TensorFlow's own, with or without a tape: put it back."""
+    from tensorflow.python.ops import variable_scope
+
+    scope = variable_scope.get_variable_scope()
+    before = scope.caching_device
+    yield
+    scope._caching_device = before  # (the setter refuses eagerly)
+
+
 # -- recorders ----------------------------------------------------------------
 
 RECORDERS = ("AssignAwareTape", "plain tape beside", "tf ForwardAccumulator", "assigntape ForwardAccumulator")
