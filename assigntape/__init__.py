@@ -10,6 +10,7 @@ differentiates through writes.
 """
 
 from assigntape import _autograph, _patches
+from assigntape._diagnostics import Explanation, History, Reason
 from assigntape._errors import (
     AssignTapeError,
     ControlFlowWriteError,
@@ -20,10 +21,9 @@ from assigntape._errors import (
     UntrackedWriteError,
     WriteDtypeError,
 )
-from assigntape._diagnostics import Explanation, History, Reason
-from assigntape._tape import AssignAwareTape
 from assigntape._forward import ForwardAccumulator
 from assigntape._patches import uninstall
+from assigntape._tape import AssignAwareTape
 
 __version__ = "0.1.0"
 

@@ -17,7 +17,11 @@ __all__ = ["exclude"]
 
 # The private modules only: the examples are user code, and convert as such.
 _MODULES = (
-    "assigntape._tape", "assigntape._diagnostics", "assigntape._patches", "assigntape._versions", "assigntape._rules",
+    "assigntape._tape",
+    "assigntape._diagnostics",
+    "assigntape._patches",
+    "assigntape._versions",
+    "assigntape._rules",
     # ``ops.convert_to_tensor`` while a tape is open (user code in a
     # tf.function calls it as TensorFlow's, which AutoGraph leaves alone).
     "assigntape._short_paths",

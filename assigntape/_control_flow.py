@@ -28,9 +28,11 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from assigntape import _fused, _record, _rules, _versions
+from assigntape._errors import ControlFlowWriteError, SavedModelError
 from assigntape._tf import (
-    attr_value_pb2,
     array_ops,
+    attr_value_pb2,
     auto_control_deps,
     composite_tensor,
     context,
@@ -52,9 +54,6 @@ from assigntape._tf import (
     tensor_lib,
     variable_utils,
 )
-
-from assigntape import _fused, _record, _rules, _versions
-from assigntape._errors import ControlFlowWriteError, SavedModelError
 from assigntape._wrapping import bind, params_of
 
 __all__ = ["branch_write", "cond", "build_cond", "while_loop", "write_around"]
@@ -185,9 +184,12 @@ def _version_handle(branch: Any, var: Any, value: Any, after: Optional[Any], tap
     # Unrecorded (the tapes and accumulators get it below, as one op from
     # ``value``): a forward accumulator would otherwise try to differentiate
     # the IdentityN itself and fail on its resource output.
-    with record.stop_recording(), ops.control_dependencies(
-        [] if after is None else [after]
-    ), ops.get_default_graph().gradient_override_map({"IdentityN": _BRANCH_VERSION_GRAD}), _on_its_device(var):
+    with (
+        record.stop_recording(),
+        ops.control_dependencies([] if after is None else [after]),
+        ops.get_default_graph().gradient_override_map({"IdentityN": _BRANCH_VERSION_GRAD}),
+        _on_its_device(var),
+    ):
         handle = array_ops.identity_n([root, value])[0]
     # Grappler would bypass it (its output 0 is its input 0), and with it the
     # data dependency on ``value`` that orders reads after the write.
@@ -195,7 +197,11 @@ def _version_handle(branch: Any, var: Any, value: Any, after: Optional[Any], tap
     # Tapes opened inside the body record ops as they are made, and look
     # gradients up by op type, not through gradient_override_map: tell them too.
     record.record_operation(
-        "AssigntapeBranchVersion", [handle], [value if taped is None else taped], lambda g: [g], forward_function=lambda t: [t]
+        "AssigntapeBranchVersion",
+        [handle],
+        [value if taped is None else taped],
+        lambda g: [g],
+        forward_function=lambda t: [t],
     )
     handle_data_util.copy_handle_data(root, handle)
     _versions.same_handle_attributes(root, handle)
@@ -460,7 +466,7 @@ def _poison_duplicates(op_name: str, var: Any, arguments: Dict[str, Any], value:
     prefix = "ResourceScatterNd" if nd_form else "ResourceScatter"
     # The scatter writes with a combine of their own (update, mul, div, min,
     # max) are the ones _no_duplicates guards; add and sub sum duplicates.
-    if not op_name.startswith(prefix) or op_name[len(prefix):].lower() not in _rules.COMBINES:
+    if not op_name.startswith(prefix) or op_name[len(prefix) :].lower() not in _rules.COMBINES:
         return value
     idx = _rules._nd(arguments["indices"], nd_form)
     idx = array_ops.reshape(idx, [-1, idx.shape[-1]])
@@ -772,7 +778,9 @@ def _record_outputs(found: Any, op: Any, start: int, stop: int) -> None:
         return ops.get_gradient_function(op)(op, *cotangents)
 
     tape = found.tape
-    others = [r for r in _versions.recording_now() if r is not found and not isinstance(r, forwardprop.ForwardAccumulator)]
+    others = [
+        r for r in _versions.recording_now() if r is not found and not isinstance(r, forwardprop.ForwardAccumulator)
+    ]
     with _alone(others), contextlib.ExitStack() as stack:
         if not found.recording():  # closed: on its tape for this record only
             tape._push_tape()

@@ -17,9 +17,8 @@ import threading
 import weakref
 from typing import Any, Callable, List
 
-from assigntape._tf import dataset_ops, executing_eagerly, ops
-
 from assigntape import _functions, _leases, _versions
+from assigntape._tf import dataset_ops, executing_eagerly, ops
 
 __all__ = ["next_element", "reduce_dataset", "single_element"]
 
@@ -169,4 +168,3 @@ def reduce_op(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any
     if not writes:
         return wrapped(*args, **kwargs)
     return _guarded(writes, context, lambda: wrapped(*args, **kwargs))
-

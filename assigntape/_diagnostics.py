@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optiona
 import numpy as np
 import tensorflow as tf
 import wrapt
-from assigntape._tf import context, nest, pywrap_tfe, UnconnectedGradients
 
 from assigntape import _versions
 from assigntape._record import Record, WriteRecord
+from assigntape._tf import UnconnectedGradients, context, nest, pywrap_tfe
 
 if TYPE_CHECKING:  # pragma: no cover
     from assigntape._tape import AssignAwareTape

@@ -291,8 +291,7 @@ def _coefficients_per_replica(fn: Any) -> Any:
     ):
         return fn
     cells = tuple(
-        types.CellType({}) if name == "apply_state" else cell
-        for name, cell in zip(code.co_freevars, fn.__closure__)
+        types.CellType({}) if name == "apply_state" else cell for name, cell in zip(code.co_freevars, fn.__closure__)
     )
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, cells)
 
@@ -344,8 +343,7 @@ def cross_replica_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, 
                 "open in the replicas recorded, to one device: its result cannot be linked to "
                 "each replica's tape, so anything computed from it would lose its gradient path, "
                 "a silently wrong gradient. A reduction of your own: reduce in replica context "
-                "instead (tf.distribute.get_replica_context().all_reduce). An optimizer's step: "
-                + _ONE_COPY
+                "instead (tf.distribute.get_replica_context().all_reduce). An optimizer's step: " + _ONE_COPY
             )
         new = []
         for replica, (part, component) in enumerate(zip(parts, components)):
@@ -457,7 +455,9 @@ def _held_tensors(fn: Any, depth: int = 3) -> List[Any]:
 
 def _grouped(result: Any) -> Any:
     """One op that runs after every op and tensor in ``result`` (the update's)."""
-    parts = [x for x in nest.flatten(result, expand_composites=True) if isinstance(x, (tensor_lib.Tensor, ops.Operation))]
+    parts = [
+        x for x in nest.flatten(result, expand_composites=True) if isinstance(x, (tensor_lib.Tensor, ops.Operation))
+    ]
     return tf.group(*parts)
 
 
@@ -483,4 +483,3 @@ def aggregated_write(wrapped: Callable[..., Any], instance: Any, args: Any, kwar
         reduced = replica.all_reduce(getattr(tf.distribute.ReduceOp, aggregation), value)
     update_kwargs = {k: v for k, v in kwargs.items() if k not in ("var", "update_fn", "value")}
     return arguments["update_fn"](var._get_on_device_or_primary(), reduced, **update_kwargs)
-

@@ -14,13 +14,21 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from assigntape._tf import dtypes, ops, resource_variable_ops
-
 from assigntape import _rules, _versions
 from assigntape._errors import ControlFlowWriteError
+from assigntape._tf import dtypes, ops, resource_variable_ops
 from assigntape._wrapping import bind
 
-__all__ = ["call_function", "vectorized", "cut_writes", "function_writes", "note_hidden_writes", "outside_writes", "refuse_writes", "variables_written"]
+__all__ = [
+    "call_function",
+    "vectorized",
+    "cut_writes",
+    "function_writes",
+    "note_hidden_writes",
+    "outside_writes",
+    "refuse_writes",
+    "variables_written",
+]
 
 
 def _written_inputs(function: Any) -> Dict[int, str]:
@@ -115,9 +123,7 @@ def _passes_last(op: Any, callee: Any, arg_name: str, position: Dict[int, int], 
 
 # Ops that are common in function graphs and never call functions: skipping them
 # saves parsing their attributes.
-_PLAIN_OPS = frozenset(
-    {"Placeholder", "Const", "Identity", "NoOp", "ReadVariableOp", "MatMul", "Mul", "AddV2", "Sub"}
-)
+_PLAIN_OPS = frozenset({"Placeholder", "Const", "Identity", "NoOp", "ReadVariableOp", "MatMul", "Mul", "AddV2", "Sub"})
 _graph_writes_cache: "weakref.WeakKeyDictionary[Any, Dict[int, str]]" = weakref.WeakKeyDictionary()
 _function_writes: "weakref.WeakKeyDictionary[Any, Dict[int, str]]" = weakref.WeakKeyDictionary()
 
@@ -155,8 +161,7 @@ def _name(instance: Any) -> str:
 # function, as in ``tfp.math.minimize``): run_functions_eagerly makes every
 # tf.function run its Python body, whose writes the tape follows.
 _EAGERLY = (
-    "or, for a function you cannot edit (a library's), run tf.functions eagerly: "
-    "tf.config.run_functions_eagerly(True)."
+    "or, for a function you cannot edit (a library's), run tf.functions eagerly: tf.config.run_functions_eagerly(True)."
 )
 FUNCTION_FIXES_EAGER = "Open the tape inside the function, call the function outside the tape, " + _EAGERLY
 FUNCTION_FIXES_GRAPH = (
@@ -200,8 +205,10 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
                 var = _variable_behind(instance, h, scope)
                 if var is not None:
                     _versions.cut_on_first_read(scope, var, h)
-    captured = [h if v is None else _versions.version_in(scope, branch, v) for h, v in
-                ((h, scope.canonical.get(id(h))) for h in captured_in)]
+    captured = [
+        h if v is None else _versions.version_in(scope, branch, v)
+        for h, v in ((h, scope.canonical.get(id(h))) for h in captured_in)
+    ]
     writes = variables_written(scope, function_writes(instance, tensor_inputs + captured_in))
     if not writes:
         return wrapped(tensor_inputs, captured)
@@ -245,7 +252,9 @@ def function_writes(function: Any, handles: List[Any]) -> List[Write]:
     """The writes of a traced function given ``handles`` (its inputs, then its
     captures, as its graph's inputs are ordered), and those its graph runs
     without showing them (``note_hidden_writes``)."""
-    found = [(handles[i], op_type, function) for i, op_type in sorted(_written_inputs(function).items()) if i < len(handles)]
+    found = [
+        (handles[i], op_type, function) for i, op_type in sorted(_written_inputs(function).items()) if i < len(handles)
+    ]
     return found + [(h, op_type, function) for h, op_type, _ in _hidden_writes.get(function.graph, ())]
 
 
@@ -282,16 +291,19 @@ def refuse_writes(scope: Any, writes: List[Tuple[Any, str]], context: str, eager
         if scope.key is not None:
             raise ControlFlowWriteError(
                 f"{op_type} to variable {var.name!r} inside {context}, run in the function where "
-                f"an AssignAwareTape is open: a version made in {context}'s graph cannot leave it. "
-                + graph_fixes
+                f"an AssignAwareTape is open: a version made in {context}'s graph cannot leave it. " + graph_fixes
             )
         # Held by a plain tape or accumulator only (the AssignAwareTape inside it
         # closed; see _plain_tapes): say which.
-        around = "an AssignAwareTape is open" if scope.records else (
-            "a plain tf.GradientTape or ForwardAccumulator that recorded an AssignAwareTape's writes is open"
+        around = (
+            "an AssignAwareTape is open"
+            if scope.records
+            else ("a plain tf.GradientTape or ForwardAccumulator that recorded an AssignAwareTape's writes is open")
         )
         _versions.refuse_or_cut(
-            [scope], var, context,
+            [scope],
+            var,
+            context,
             f"{context} writes variable {var.name!r} ({op_type}) while {around} around it, and "
             "such writes happen out of the tape's sight: reads after it would credit "
             f"the previous version, a silently wrong gradient. " + eager_fixes,

@@ -37,9 +37,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
-from assigntape._tf import array_ops, check_ops, context, dtypes, gen_array_ops, math_ops
-
 from assigntape._errors import DuplicateIndicesError
+from assigntape._tf import array_ops, check_ops, context, dtypes, gen_array_ops, math_ops
 
 __all__ = ["Kernel", "KERNELS", "new_values", "written", "no_duplicates"]
 
@@ -387,9 +386,7 @@ KERNELS: Dict[str, Kernel] = {
     "ResourceApplyAdaMax": Kernel(
         ("var", "m", "v"), ("beta1_power", "lr", "beta1", "beta2", "epsilon", "grad"), _ada_max
     ),
-    "ResourceApplyRMSProp": Kernel(
-        ("var", "ms", "mom"), ("lr", "rho", "momentum", "epsilon", "grad"), _rms_prop
-    ),
+    "ResourceApplyRMSProp": Kernel(("var", "ms", "mom"), ("lr", "rho", "momentum", "epsilon", "grad"), _rms_prop),
     "ResourceApplyCenteredRMSProp": Kernel(
         ("var", "mg", "ms", "mom"), ("lr", "rho", "momentum", "epsilon", "grad"), _centered_rms_prop
     ),
@@ -399,9 +396,7 @@ KERNELS: Dict[str, Kernel] = {
     "ResourceApplyAdagradDA": Kernel(
         ("var", "gradient_accumulator", "gradient_squared_accumulator"), ("grad", "lr", "l1", "l2"), _adagrad_da
     ),
-    "ResourceApplyAdadelta": Kernel(
-        ("var", "accum", "accum_update"), ("lr", "rho", "epsilon", "grad"), _adadelta
-    ),
+    "ResourceApplyAdadelta": Kernel(("var", "accum", "accum_update"), ("lr", "rho", "epsilon", "grad"), _adadelta),
     "ResourceApplyFtrl": Kernel(("var", "accum", "linear"), _FTRL_INPUTS, _ftrl),
     "ResourceApplyFtrlV2": Kernel(("var", "accum", "linear"), _FTRL_V2_INPUTS, _ftrl),
     "ResourceApplyAddSign": Kernel(("var", "m"), ("lr", "alpha", "sign_decay", "beta", "grad"), _add_sign),

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Sequence
 
-from assigntape._tf import array_ops, forwardprop, math_ops, pywrap_tfe
-
 from assigntape import _versions
+from assigntape._tf import array_ops, forwardprop, math_ops, pywrap_tfe
 
 __all__ = ["register"]
 
@@ -47,7 +46,9 @@ def _sqrt_jvp(attr_tuple: Any, inputs: Sequence[Any], outputs: Sequence[Any], ta
     return [array_ops.where_v2(zero, array_ops.zeros_like(t), t * math_ops.cast(0.5, t.dtype) / safe)]
 
 
-def _sqrt_grad_jvp(attr_tuple: Any, inputs: Sequence[Any], outputs: Sequence[Any], tangents: Sequence[Any]) -> List[Any]:
+def _sqrt_grad_jvp(
+    attr_tuple: Any, inputs: Sequence[Any], outputs: Sequence[Any], tangents: Sequence[Any]
+) -> List[Any]:
     """``SqrtGrad(y, dy) = 0.5 dy / conj(y)``, 0 where ``dy`` is 0: the op of
     sqrt's reverse pass, met by forward over reverse (a Hessian-vector
     product through Adam). Its tangent ``(0.5 t_dy - z conj(t_y)) / conj(y)``
@@ -56,7 +57,9 @@ def _sqrt_grad_jvp(attr_tuple: Any, inputs: Sequence[Any], outputs: Sequence[Any
     del attr_tuple
     (y, dy), (z,) = inputs, outputs
     t_y, t_dy = (array_ops.zeros_like(x) if t is None else t for x, t in zip(inputs, tangents))
-    zero = math_ops.logical_and(math_ops.equal(dy, array_ops.zeros([], dy.dtype)), math_ops.equal(t_dy, array_ops.zeros([], dy.dtype)))
+    zero = math_ops.logical_and(
+        math_ops.equal(dy, array_ops.zeros([], dy.dtype)), math_ops.equal(t_dy, array_ops.zeros([], dy.dtype))
+    )
     safe = array_ops.where_v2(zero, array_ops.ones_like(y), math_ops.conj(y))
     tangent = (t_dy * math_ops.cast(0.5, dy.dtype) - z * math_ops.conj(t_y)) / safe
     return [array_ops.where_v2(zero, array_ops.zeros_like(tangent), tangent)]

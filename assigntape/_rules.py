@@ -24,6 +24,9 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
+
+from assigntape import _fused
+from assigntape._errors import DuplicateIndicesError
 from assigntape._tf import (
     array_ops,
     check_ops,
@@ -39,12 +42,18 @@ from assigntape._tf import (
     tensor_util,
 )
 
-from assigntape import _fused
-from assigntape._errors import DuplicateIndicesError
-
 __all__ = [
-    "Write", "Rule", "RULES", "COMBINES", "UNDIFFERENTIABLE_PREFIXES",
-    "REFUSED_WRITES", "NOT_VARIABLE_WRITES", "VERSION_SPECIFIC", "refused", "gather_rows", "identity_backward",
+    "Write",
+    "Rule",
+    "RULES",
+    "COMBINES",
+    "UNDIFFERENTIABLE_PREFIXES",
+    "REFUSED_WRITES",
+    "NOT_VARIABLE_WRITES",
+    "VERSION_SPECIFIC",
+    "refused",
+    "gather_rows",
+    "identity_backward",
 ]
 
 Args = Dict[str, Any]
@@ -218,7 +227,7 @@ def _in_xla() -> bool:
 
 def _nan_where(repeated: Any, g_rows: Any) -> Any:
     """``g_rows`` with NaN in the rows whose index repeats."""
-    trailing = array_ops.ones_like(array_ops.shape(g_rows)[array_ops.rank(repeated):])
+    trailing = array_ops.ones_like(array_ops.shape(g_rows)[array_ops.rank(repeated) :])
     mask = array_ops.reshape(repeated, array_ops.concat([array_ops.shape(repeated), trailing], 0))
     mask = array_ops.broadcast_to(mask, array_ops.shape(g_rows))
     nan = array_ops.fill(array_ops.shape(g_rows), math_ops.cast(float("nan"), g_rows.dtype))
@@ -257,8 +266,7 @@ def _no_duplicates(var: Any, nd_indices: Any, op_name: str) -> List[Any]:
         rows = _static_rows(nd_indices)
         if rows is not None and len(np.unique(rows, axis=0)) != len(rows):
             raise DuplicateIndicesError(
-                message + " (Refused while tracing: XLA compiles this function and drops the "
-                "run-time check.)"
+                message + " (Refused while tracing: XLA compiles this function and drops the run-time check.)"
             )
         return []
     flat = _linear(nd_indices, var)
@@ -317,17 +325,24 @@ def _scatter(combine: str, nd_form: bool) -> Rule:
             # update comes from a written variable, and the scatter of the
             # gradient fails.
             with record.stop_recording():  # a shape: nothing to differentiate, forward or back
-                rows_shape = array_ops.concat([
-                    array_ops.shape(idx, out_type=idx.dtype)[:-1],
-                    gen_resource_variable_ops.variable_shape(old, out_type=idx.dtype)[idx.shape[-1]:],
-                ], 0)
+                rows_shape = array_ops.concat(
+                    [
+                        array_ops.shape(idx, out_type=idx.dtype)[:-1],
+                        gen_resource_variable_ops.variable_shape(old, out_type=idx.dtype)[idx.shape[-1] :],
+                    ],
+                    0,
+                )
             updates = args["updates"] = array_ops.broadcast_to(updates, rows_shape)
         checks = [] if additive else _no_duplicates(var, idx, op_name)
         rows = None if additive or vjp is None else _recorded_rows(var, old, idx)
         # Under XLA the run-time duplicate check is gone: make the gradient NaN
         # where indices repeat, which cannot pass for a gradient.
-        repeated = None if additive or not _in_xla() else array_ops.reshape(
-            _repeated(var, array_ops.reshape(idx, [-1, idx.shape[-1]])), array_ops.shape(idx)[:-1]
+        repeated = (
+            None
+            if additive or not _in_xla()
+            else array_ops.reshape(
+                _repeated(var, array_ops.reshape(idx, [-1, idx.shape[-1]])), array_ops.shape(idx)[:-1]
+            )
         )
 
         # The dimensions of the written rows, one per index, which the ops never broadcast.
@@ -363,9 +378,7 @@ def _slice_args(args: Args) -> Tuple[Any, Any, Any, Dict[str, Any]]:
 def _slice_value(old: Any, args: Args) -> Any:
     begin, end, strides, masks = _slice_args(args)
     part = array_ops.strided_slice(old, begin, end, strides, **masks)
-    return gen_array_ops.tensor_strided_slice_update(
-        old, begin, end, strides, _broadcast(args["value"], part), **masks
-    )
+    return gen_array_ops.tensor_strided_slice_update(old, begin, end, strides, _broadcast(args["value"], part), **masks)
 
 
 def _slice_assign(var: Any, old: Any, args: Args) -> Write:
@@ -375,9 +388,7 @@ def _slice_assign(var: Any, old: Any, args: Args) -> Write:
     def backward(g: Any) -> List[Any]:
         g = _dense(g)
         g_part = array_ops.strided_slice(g, begin, end, strides, **masks)
-        g_old = gen_array_ops.tensor_strided_slice_update(
-            g, begin, end, strides, array_ops.zeros_like(g_part), **masks
-        )
+        g_old = gen_array_ops.tensor_strided_slice_update(g, begin, end, strides, array_ops.zeros_like(g_part), **masks)
         return [g_old, _unbroadcast(g_part, value)]
 
     return Write([old, value], backward, True, [])
@@ -480,89 +491,167 @@ NOT_VARIABLE_WRITES: Dict[str, frozenset[str]] = {
     "initializes a TensorRT engine cache resource": frozenset({"InitializeTRTResource"}),
     "read a variable's value, shape or initialisation state": frozenset(
         {
-            "ReadVariableOp", "_ReadVariablesOp", "ReadVariableXlaSplitND", "ResourceGather",
-            "ResourceGatherNd", "VariableShape", "VarIsInitializedOp",
+            "ReadVariableOp",
+            "_ReadVariablesOp",
+            "ReadVariableXlaSplitND",
+            "ResourceGather",
+            "ResourceGatherNd",
+            "VariableShape",
+            "VarIsInitializedOp",
         }
     ),
-    "a variable's lifetime or handle, not its value (a destroyed variable fails "
-    "loudly on its next read)": frozenset(
+    "a variable's lifetime or handle, not its value (a destroyed variable fails loudly on its next read)": frozenset(
         {"DestroyResourceOp", "DisableCopyOnRead", "IsResourceHandleRefCounting", "MakeWeakResourceHandle"}
     ),
-    "compiles an XLA cluster against the variables' current values; _XlaRun writes": frozenset(
-        {"_XlaCompile"}
-    ),
+    "compiles an XLA cluster against the variables' current values; _XlaRun writes": frozenset({"_XlaCompile"}),
     "iterators, datasets and their seed generators, caches and thread pools": frozenset(
         {
-            "CacheDatasetV2", "DataServiceDataset", "DataServiceDatasetV2", "DataServiceDatasetV3",
-            "DataServiceDatasetV4", "DeleteIterator", "DeleteMemoryCache", "DeleteMultiDeviceIterator",
-            "DeleteRandomSeedGenerator", "DeleteSeedGenerator", "DeserializeIterator",
-            "ExperimentalIteratorGetDevice", "ExperimentalSetStatsAggregatorDataset",
-            "ExperimentalStatsAggregatorSummary", "ExperimentalThreadPoolDataset", "GlobalShuffleDataset",
-            "IteratorGetDevice", "IteratorGetModelProto", "IteratorGetNext", "IteratorGetNextAsOptional",
-            "IteratorGetNextSync", "IteratorToStringHandle", "MakeIterator",
-            "MultiDeviceIteratorGetNextFromShard", "MultiDeviceIteratorInit",
-            "MultiDeviceIteratorToStringHandle", "RandomDatasetV2", "SerializeIterator",
-            "SetStatsAggregatorDataset", "ShuffleAndRepeatDatasetV2", "ShuffleDatasetV2",
-            "ShuffleDatasetV3", "StatsAggregatorSetSummaryWriter", "StatsAggregatorSummary",
+            "CacheDatasetV2",
+            "DataServiceDataset",
+            "DataServiceDatasetV2",
+            "DataServiceDatasetV3",
+            "DataServiceDatasetV4",
+            "DeleteIterator",
+            "DeleteMemoryCache",
+            "DeleteMultiDeviceIterator",
+            "DeleteRandomSeedGenerator",
+            "DeleteSeedGenerator",
+            "DeserializeIterator",
+            "ExperimentalIteratorGetDevice",
+            "ExperimentalSetStatsAggregatorDataset",
+            "ExperimentalStatsAggregatorSummary",
+            "ExperimentalThreadPoolDataset",
+            "GlobalShuffleDataset",
+            "IteratorGetDevice",
+            "IteratorGetModelProto",
+            "IteratorGetNext",
+            "IteratorGetNextAsOptional",
+            "IteratorGetNextSync",
+            "IteratorToStringHandle",
+            "MakeIterator",
+            "MultiDeviceIteratorGetNextFromShard",
+            "MultiDeviceIteratorInit",
+            "MultiDeviceIteratorToStringHandle",
+            "RandomDatasetV2",
+            "SerializeIterator",
+            "SetStatsAggregatorDataset",
+            "ShuffleAndRepeatDatasetV2",
+            "ShuffleDatasetV2",
+            "ShuffleDatasetV3",
+            "StatsAggregatorSetSummaryWriter",
+            "StatsAggregatorSummary",
             "ThreadPoolDataset",
         }
     ),
     "lookup tables": frozenset(
         {
-            "InitializeTableFromDataset", "InitializeTableFromTextFileV2", "InitializeTableV2",
-            "LookupTableExportV2", "LookupTableFindV2", "LookupTableImportV2", "LookupTableInsertV2",
-            "LookupTableRemoveV2", "LookupTableSizeV2",
+            "InitializeTableFromDataset",
+            "InitializeTableFromTextFileV2",
+            "InitializeTableV2",
+            "LookupTableExportV2",
+            "LookupTableFindV2",
+            "LookupTableImportV2",
+            "LookupTableInsertV2",
+            "LookupTableRemoveV2",
+            "LookupTableSizeV2",
         }
     ),
     "queues, readers, stacks and TensorArrays": frozenset(
         {
-            "FakeQueue", "QueueCloseV2", "QueueDequeueManyV2", "QueueDequeueUpToV2", "QueueDequeueV2",
-            "QueueEnqueueManyV2", "QueueEnqueueV2", "QueueIsClosedV2", "QueueSizeV2",
-            "ReaderNumRecordsProducedV2", "ReaderNumWorkUnitsCompletedV2", "ReaderReadUpToV2",
-            "ReaderReadV2", "ReaderResetV2", "ReaderRestoreStateV2", "ReaderSerializeStateV2",
-            "StackCloseV2", "StackPopV2", "StackPushV2", "TensorArrayCloseV3", "TensorArrayConcatV3",
-            "TensorArrayGatherV3", "TensorArrayGradV3", "TensorArrayGradWithShape",
-            "TensorArrayReadV3", "TensorArrayScatterV3", "TensorArraySizeV3", "TensorArraySplitV3",
+            "FakeQueue",
+            "QueueCloseV2",
+            "QueueDequeueManyV2",
+            "QueueDequeueUpToV2",
+            "QueueDequeueV2",
+            "QueueEnqueueManyV2",
+            "QueueEnqueueV2",
+            "QueueIsClosedV2",
+            "QueueSizeV2",
+            "ReaderNumRecordsProducedV2",
+            "ReaderNumWorkUnitsCompletedV2",
+            "ReaderReadUpToV2",
+            "ReaderReadV2",
+            "ReaderResetV2",
+            "ReaderRestoreStateV2",
+            "ReaderSerializeStateV2",
+            "StackCloseV2",
+            "StackPopV2",
+            "StackPushV2",
+            "TensorArrayCloseV3",
+            "TensorArrayConcatV3",
+            "TensorArrayGatherV3",
+            "TensorArrayGradV3",
+            "TensorArrayGradWithShape",
+            "TensorArrayReadV3",
+            "TensorArrayScatterV3",
+            "TensorArraySizeV3",
+            "TensorArraySplitV3",
             "TensorArrayWriteV3",
         }
     ),
     "conditional gradient accumulators (tf.compat.v1 SyncReplicasOptimizer)": frozenset(
         {
-            "ResourceAccumulatorApplyGradient", "ResourceAccumulatorNumAccumulated",
-            "ResourceAccumulatorSetGlobalStep", "ResourceAccumulatorTakeGradient",
+            "ResourceAccumulatorApplyGradient",
+            "ResourceAccumulatorNumAccumulated",
+            "ResourceAccumulatorSetGlobalStep",
+            "ResourceAccumulatorTakeGradient",
         }
     ),
     "summary writers": frozenset(
         {
-            "CloseSummaryWriter", "CreateSummaryDbWriter", "CreateSummaryFileWriter",
-            "FlushSummaryWriter", "ImportEvent", "WriteAudioSummary", "WriteGraphSummary",
-            "WriteHistogramSummary", "WriteImageSummary", "WriteRawProtoSummary",
-            "WriteScalarSummary", "WriteSummary",
+            "CloseSummaryWriter",
+            "CreateSummaryDbWriter",
+            "CreateSummaryFileWriter",
+            "FlushSummaryWriter",
+            "ImportEvent",
+            "WriteAudioSummary",
+            "WriteGraphSummary",
+            "WriteHistogramSummary",
+            "WriteImageSummary",
+            "WriteRawProtoSummary",
+            "WriteScalarSummary",
+            "WriteSummary",
         }
     ),
     "boosted-trees ensembles and quantile streams": frozenset(
         {
-            "BoostedTreesCenterBias", "BoostedTreesCreateEnsemble",
-            "BoostedTreesCreateQuantileStreamResource", "BoostedTreesDeserializeEnsemble",
-            "BoostedTreesExampleDebugOutputs", "BoostedTreesFlushQuantileSummaries",
-            "BoostedTreesGetEnsembleStates", "BoostedTreesPredict",
+            "BoostedTreesCenterBias",
+            "BoostedTreesCreateEnsemble",
+            "BoostedTreesCreateQuantileStreamResource",
+            "BoostedTreesDeserializeEnsemble",
+            "BoostedTreesExampleDebugOutputs",
+            "BoostedTreesFlushQuantileSummaries",
+            "BoostedTreesGetEnsembleStates",
+            "BoostedTreesPredict",
             "BoostedTreesQuantileStreamResourceAddSummaries",
             "BoostedTreesQuantileStreamResourceDeserialize",
             "BoostedTreesQuantileStreamResourceFlush",
-            "BoostedTreesQuantileStreamResourceGetBucketBoundaries", "BoostedTreesSerializeEnsemble",
-            "BoostedTreesTrainingPredict", "BoostedTreesUpdateEnsemble", "BoostedTreesUpdateEnsembleV2",
-            "IsBoostedTreesEnsembleInitialized", "IsBoostedTreesQuantileStreamResourceInitialized",
+            "BoostedTreesQuantileStreamResourceGetBucketBoundaries",
+            "BoostedTreesSerializeEnsemble",
+            "BoostedTreesTrainingPredict",
+            "BoostedTreesUpdateEnsemble",
+            "BoostedTreesUpdateEnsembleV2",
+            "IsBoostedTreesEnsembleInitialized",
+            "IsBoostedTreesQuantileStreamResourceInitialized",
         }
     ),
     "collective ordering tokens and communicators": frozenset(
         {
-            "CollectiveAllToAllV2", "CollectiveAllToAllV3", "CollectiveGatherV2",
-            "CollectiveReduceScatterV2", "CollectiveReduceV2", "CollectiveReduceV3",
+            "CollectiveAllToAllV2",
+            "CollectiveAllToAllV3",
+            "CollectiveGatherV2",
+            "CollectiveReduceScatterV2",
+            "CollectiveReduceV2",
+            "CollectiveReduceV3",
         }
     ),
     "RPC clients, servers and futures": frozenset(
         {
-            "DeleteRpcFutureResource", "RpcCall", "RpcCheckStatus", "RpcGetValue", "RpcServerRegister",
+            "DeleteRpcFutureResource",
+            "RpcCall",
+            "RpcCheckStatus",
+            "RpcGetValue",
+            "RpcServerRegister",
             "RpcServerStart",
         }
     ),

@@ -19,7 +19,8 @@ __all__ = ["trace_gradient_functions"]
 
 # The gradient types of the library's graph ops (``_control_flow``).
 _OURS = frozenset(
-    t.encode() for t in (_control_flow._TOP_VERSION_GRAD, _control_flow._BRANCH_VERSION_GRAD, _control_flow._POISON_GRAD)
+    t.encode()
+    for t in (_control_flow._TOP_VERSION_GRAD, _control_flow._BRANCH_VERSION_GRAD, _control_flow._POISON_GRAD)
 )
 
 

@@ -24,6 +24,7 @@ import os
 import types
 from typing import Any, Callable, Dict
 
+from assigntape import _rules, _versions, _writes
 from assigntape._tf import (
     dtypes,
     executing_eagerly,
@@ -33,11 +34,17 @@ from assigntape._tf import (
     resource_variable_ops,
     tensor_conversion_registry,
 )
-
-from assigntape import _rules, _versions, _writes
 from assigntape._wrapping import Wrapper
 
-__all__ = ["METHODS", "WRITE_METHODS", "convert_function", "is_tensorflows", "is_tensorflows_conversion", "value_method", "write_method"]
+__all__ = [
+    "METHODS",
+    "WRITE_METHODS",
+    "convert_function",
+    "is_tensorflows",
+    "is_tensorflows_conversion",
+    "value_method",
+    "write_method",
+]
 
 # The write methods -> the op each runs, and its generated function's name.
 WRITE_METHODS = {
@@ -102,7 +109,11 @@ def _nothing_in_the_way(d: Dict[str, Any], method: str, own: Any) -> bool:
     """Whether a variable's ``<method>`` (``d``: its ``__dict__``) and the module's ``variable_accessed``, which
     TensorFlow's method calls, are TensorFlow's own: not wrapped or replaced
     on the class, not overridden on this variable."""
-    return _VARIABLE_OPS["variable_accessed"] is _ACCESSED and getattr(_RESOURCE_VARIABLE, method) is own and method not in d
+    return (
+        _VARIABLE_OPS["variable_accessed"] is _ACCESSED
+        and getattr(_RESOURCE_VARIABLE, method) is own
+        and method not in d
+    )
 
 
 def _unwrapped(snake: str, op: Callable[..., Any]) -> bool:
@@ -144,7 +155,9 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         shape = self._shape
         if assigns and value.shape != shape:
             return method(self, value, use_locking, name, read_value)  # TensorFlow's error, or a broadcast
-        handle = _versions.serve_handle(scope, self, self.__dict__)  # self._handle: the version TensorFlow's method writes through
+        handle = _versions.serve_handle(
+            scope, self, self.__dict__
+        )  # self._handle: the version TensorFlow's method writes through
         arguments: Dict[str, Any] = {"resource": handle, "value": value, "name": name}
         if assigns:
             arguments["validate_shape"] = self._validate_shape
@@ -159,10 +172,16 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     # TensorFlow's signatures: ``assign(value, ...)``, ``assign_add(delta, ...)``.
     short_path: Callable[..., Any]
     if assigns:
-        def short_path(self: Any, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+
+        def short_path(
+            self: Any, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True
+        ) -> Any:
             return write(self, value, use_locking, name, read_value)
     else:
-        def short_path(self: Any, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+
+        def short_path(
+            self: Any, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True
+        ) -> Any:
             return write(self, delta, use_locking, name, read_value)
 
     return _like(short_path, method)
@@ -187,7 +206,12 @@ def _lazy_read(var: Any, shape: Any) -> Any:
     template = _unread_template if _unread_template is not None else _template(var)
     if not template:
         return _UNREAD_VARIABLE(
-            handle=d["_handle"], dtype=d["_dtype"], shape=shape, in_graph_mode=False, parent_op=None, unique_id=d["_unique_id"]
+            handle=d["_handle"],
+            dtype=d["_dtype"],
+            shape=shape,
+            in_graph_mode=False,
+            parent_op=None,
+            unique_id=d["_unique_id"],
         )
     unread = _UNREAD_VARIABLE.__new__(_UNREAD_VARIABLE)
     attributes = unread.__dict__
@@ -210,7 +234,12 @@ def _template(var: Any) -> Any:
         other = resource_variable_ops.ResourceVariable(0, dtype=dtypes.int8, trainable=False)
     made = [
         _UNREAD_VARIABLE(
-            handle=x.__dict__["_handle"], dtype=x.dtype, shape=x._shape, in_graph_mode=False, parent_op=None, unique_id=x._unique_id
+            handle=x.__dict__["_handle"],
+            dtype=x.dtype,
+            shape=x._shape,
+            in_graph_mode=False,
+            parent_op=None,
+            unique_id=x._unique_id,
         )
         for x in (var, other)
     ]

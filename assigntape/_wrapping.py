@@ -55,13 +55,16 @@ def patch(
     if not isinstance(owner, type) or type(original) is not types.FunctionType:
         return Wrapper(original, function)
     if passes is None:
+
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
             return function(original.__get__(self), self, args, kwargs)
     else:
+
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
             if passes(self, args, kwargs):
                 return original(self, *args, **kwargs)
             return function(original.__get__(self), self, args, kwargs)
+
     return like(method, original, function)
 
 
@@ -172,4 +175,3 @@ def binds(params: Sequence[str], required: int, args: Tuple[Any, ...], kwargs: D
         if name in positional or name not in params:
             return False
     return all(name in kwargs for name in params[len(args) : required])
-

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from assigntape import _control_flow, _fused, _plain_tapes, _rules, _versions
+from assigntape._errors import WriteDtypeError
 from assigntape._tf import (
     dtypes,
     gen_resource_variable_ops,
@@ -25,9 +27,6 @@ from assigntape._tf import (
     resource_variable_ops,
     tensor_lib,
 )
-
-from assigntape import _control_flow, _fused, _plain_tapes, _rules, _versions
-from assigntape._errors import WriteDtypeError
 from assigntape._wrapping import bind
 
 __all__ = ["fused_write", "raw_read", "tracked_write", "untracked_write", "watch", "write_here"]
@@ -65,7 +64,11 @@ def tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Cal
         if around is not None:
             # A tape opened inside another tape's cond branch or loop body.
             return _control_flow.write_around(
-                scope, around, [var], lambda: _control_flow.branch_write(op_name, rule, wrapped, arguments, around, var), op_name
+                scope,
+                around,
+                [var],
+                lambda: _control_flow.branch_write(op_name, rule, wrapped, arguments, around, var),
+                op_name,
             )
         return write_here(scope, var, op_name, rule, wrapped, arguments, handle)
 
@@ -73,7 +76,13 @@ def tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Cal
 
 
 def write_here(
-    scope: _versions.Scope, var: Any, op_name: str, rule: _rules.Rule, run: Callable[..., Any], arguments: Dict[str, Any], handle: Any
+    scope: _versions.Scope,
+    var: Any,
+    op_name: str,
+    rule: _rules.Rule,
+    run: Callable[..., Any],
+    arguments: Dict[str, Any],
+    handle: Any,
 ) -> Any:
     """A write in the tape's own graph, or eagerly: ``run(**arguments)`` writes,
     then the new version is made and recorded, and becomes current."""
@@ -161,7 +170,9 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
             # A tape opened inside another tape's cond branch or loop body.
             written = [tracked[name] for name in _fused.written(kernel, arguments) if name in tracked]
             return _control_flow.write_around(
-                scope, around, written,
+                scope,
+                around,
+                written,
                 lambda: _control_flow.fused_branch_write(op_name, kernel, wrapped, arguments, around, tracked, checks),
                 op_name,
             )
@@ -182,8 +193,7 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
             for var in tracked.values():
                 resource_variable_ops.variable_accessed(var)
             values = {
-                name: gen_resource_variable_ops.read_variable_op(handle, first.dtype)
-                for name, handle in old.items()
+                name: gen_resource_variable_ops.read_variable_op(handle, first.dtype) for name, handle in old.items()
             }
         # In a graph, the reads (and the duplicate check) must run before the kernel.
         with ops.control_dependencies(list(values.values()) + checks):
@@ -211,7 +221,13 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
 # given a value whose dtype is not the variable's, where the others raise
 # InvalidArgumentError: refused before they run (``WriteDtypeError``).
 _ABORT_ON_DTYPE = frozenset(
-    ["ResourceScatterNdUpdate", "ResourceScatterNdAdd", "ResourceScatterNdSub", "ResourceScatterNdMin", "ResourceScatterNdMax"]
+    [
+        "ResourceScatterNdUpdate",
+        "ResourceScatterNdAdd",
+        "ResourceScatterNdSub",
+        "ResourceScatterNdMin",
+        "ResourceScatterNdMax",
+    ]
 )
 
 
@@ -269,7 +285,9 @@ def _kernel_inputs(
     return converted
 
 
-def _forward_value(rule: _rules.Rule, var: Any, old: Any, write: _rules.Write, arguments: Dict[str, Any], eager: bool) -> Any:
+def _forward_value(
+    rule: _rules.Rule, var: Any, old: Any, write: _rules.Write, arguments: Dict[str, Any], eager: bool
+) -> Any:
     """The write's new value as plain ops on the previous version, when a
     ``ForwardAccumulator`` has a tangent for an input of the write (else None):
     computed before the write, which overwrites the previous value."""
@@ -326,7 +344,9 @@ def untracked_write(op_name: str, params: Sequence[str]) -> Callable[..., Any]:
             return wrapped(*args, **kwargs)
         scope, var = hits[0]
         _versions.refuse_or_cut(
-            [scope], var, op_name,
+            [scope],
+            var,
+            op_name,
             f"{op_name} wrote variable {var.name!r}, which an AssignAwareTape is tracking, "
             "and the tape cannot differentiate that op: reads after it would credit the "
             "previous version, a silently wrong gradient. Write with tracked ops instead "

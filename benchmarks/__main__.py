@@ -19,8 +19,8 @@ a small summary ``benchmarks/results/<date>-<mode>.json``.
 from __future__ import annotations
 
 import argparse
-import gc
 import datetime
+import gc
 import json
 import os
 import pathlib
@@ -60,10 +60,22 @@ MODES = {
     # the rounds and six process pairs: their target is 1% and what they
     # compare differs by less, where a round's ratio scatters by more, and
     # the median of one process pair differs from another's by up to 2.5%.
-    "quick": {"rounds": 25, "outside_rounds": 25, "target_s": 0.05, "chunk_s": 0.002, "worker_chunk_s": 0.01,
-              "pairs": 1},
-    "full": {"rounds": 101, "outside_rounds": 201, "target_s": 0.15, "chunk_s": 0.002, "worker_chunk_s": 0.01,
-             "pairs": 6},
+    "quick": {
+        "rounds": 25,
+        "outside_rounds": 25,
+        "target_s": 0.05,
+        "chunk_s": 0.002,
+        "worker_chunk_s": 0.01,
+        "pairs": 1,
+    },
+    "full": {
+        "rounds": 101,
+        "outside_rounds": 201,
+        "target_s": 0.15,
+        "chunk_s": 0.002,
+        "worker_chunk_s": 0.01,
+        "pairs": 6,
+    },
 }
 
 
@@ -88,9 +100,8 @@ def _steps(name: str):
 
 
 def _in_process(names: List[str], cfg: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
-    from benchmarks import paired
-
     from assigntape import AssignAwareTape
+    from benchmarks import paired
 
     with AssignAwareTape():  # install the patches once, outside every figure
         pass
@@ -105,10 +116,15 @@ def _in_process(names: List[str], cfg: Dict[str, Any]) -> Dict[str, Dict[str, An
             steps["baseline"]()
         cand = steps["baseline" if cfg["aa"] else "assigntape"]
         res = paired.measure(
-            paired.loop_side(cand), paired.loop_side(steps["baseline"]),
-            rounds=cfg["rounds"], target_s=cfg["target_s"], chunk_s=cfg["chunk_s"], kind=kind,
+            paired.loop_side(cand),
+            paired.loop_side(steps["baseline"]),
+            rounds=cfg["rounds"],
+            target_s=cfg["target_s"],
+            chunk_s=cfg["chunk_s"],
+            kind=kind,
             before_round=gc.collect,
-            per=PER_WRITE_N if name.startswith("per_write") else 1.0, clock=cfg["clock"],
+            per=PER_WRITE_N if name.startswith("per_write") else 1.0,
+            clock=cfg["clock"],
         )
         res.update(label=("A/A: " if cfg["aa"] else "") + label, unit=unit, target=target)
         out[name] = res
@@ -131,8 +147,16 @@ class Worker:
         cmd = [sys.executable, "-m", "benchmarks.worker", f"--threads={threads}"]
         if assigntape:
             cmd.append("--assigntape")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, cwd=str(HERE.parent), env=env, bufsize=1)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            cwd=str(HERE.parent),
+            env=env,
+            bufsize=1,
+        )
 
     def ask(self, req: Dict[str, Any]) -> Dict[str, Any]:
         self.proc.stdin.write(json.dumps(req) + "\n")
@@ -140,8 +164,9 @@ class Worker:
         line = self.proc.stdout.readline()
         if not line:
             self._log.flush()
-            raise RuntimeError(f"worker {self.role} died; see {self.log_path}:\n"
-                               + pathlib.Path(self.log_path).read_text()[-3000:])
+            raise RuntimeError(
+                f"worker {self.role} died; see {self.log_path}:\n" + pathlib.Path(self.log_path).read_text()[-3000:]
+            )
         return json.loads(line)
 
     def side(self, case: str):
@@ -164,9 +189,8 @@ class Worker:
 def _patches_side(step: Any, installed: bool) -> Any:
     """A side that runs ``step`` with the patches installed (dormant, as after
     a tape) or removed, switched before its timer starts."""
-    from benchmarks import paired
-
     from assigntape import _patches, _versions
+    from benchmarks import paired
 
     timed = paired.loop_side(step)
 
@@ -206,8 +230,16 @@ def _outside_same_process(cases: List[str], cfg: Dict[str, Any]) -> Dict[str, Di
             step()
         cand = _patches_side(step, installed=not cfg["aa"])
         base = _patches_side(step, installed=False)
-        res = paired.measure(cand, base, rounds=cfg["outside_rounds"], target_s=cfg["target_s"],
-                             chunk_s=cfg["worker_chunk_s"], kind="ratio", before_round=gc.collect, clock=cfg["clock"])
+        res = paired.measure(
+            cand,
+            base,
+            rounds=cfg["outside_rounds"],
+            target_s=cfg["target_s"],
+            chunk_s=cfg["worker_chunk_s"],
+            kind="ratio",
+            before_round=gc.collect,
+            clock=cfg["clock"],
+        )
         res.update(label=label, unit="x", target=OUTSIDE_TARGET)
         out["outside_same_process_" + case] = res
         _patches_side(step, installed=True)(0)  # leave them installed, as the other figures expect
@@ -220,8 +252,9 @@ def _outside(cases: List[str], cfg: Dict[str, Any], threads: int) -> Dict[str, D
     out: Dict[str, Dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as log_dir:
         _log(f"starting {cfg['pairs']} pair(s) of worker processes ...")
-        pairs = [(Worker(not cfg["aa"], threads, log_dir), Worker(False, threads, log_dir))
-                 for _ in range(cfg["pairs"])]
+        pairs = [
+            (Worker(not cfg["aa"], threads, log_dir), Worker(False, threads, log_dir)) for _ in range(cfg["pairs"])
+        ]
         try:
             infos = [[w.ask({"op": "info"}) for w in pair] for pair in pairs]
             for cinfo, binfo in infos:
@@ -230,25 +263,41 @@ def _outside(cases: List[str], cfg: Dict[str, Any], threads: int) -> Dict[str, D
                 label = ("A/A: " if cfg["aa"] else "") + "outside any tape: " + worker.CASES[case]
                 _log(f"timing {label} ...")
                 # The same repetitions in every process: calibrated on the first pair.
-                plan = paired.calibrate(pairs[0][0].side(case), pairs[0][1].side(case), cfg["target_s"],
-                                        cfg["worker_chunk_s"])
+                plan = paired.calibrate(
+                    pairs[0][0].side(case), pairs[0][1].side(case), cfg["target_s"], cfg["worker_chunk_s"]
+                )
                 per_pair = []
                 for cand, base in pairs:
                     # Rounds split among the pairs: differences between processes
                     # (memory layout, ...) then show in the pooled median.
                     n = max(5, cfg["outside_rounds"] // len(pairs))
-                    per_pair.append(paired.measure(
-                        cand.side(case), base.side(case), rounds=n, target_s=cfg["target_s"],
-                        chunk_s=cfg["worker_chunk_s"], plan=plan, clock=cfg["clock"],
-                        before_round=lambda c=cand, b=base: (c.ask({"op": "gc"}), b.ask({"op": "gc"}))))
+                    per_pair.append(
+                        paired.measure(
+                            cand.side(case),
+                            base.side(case),
+                            rounds=n,
+                            target_s=cfg["target_s"],
+                            chunk_s=cfg["worker_chunk_s"],
+                            plan=plan,
+                            clock=cfg["clock"],
+                            before_round=lambda c=cand, b=base: (c.ask({"op": "gc"}), b.ask({"op": "gc"})),
+                        )
+                    )
                 reps = plan[0] * plan[1]
                 tc = [t for r in per_pair for t in r["candidate_s"]]
                 tb = [t for r in per_pair for t in r["baseline_s"]]
                 res = paired.figure(tc, tb, kind="ratio", reps=reps, clock=cfg["clock"])
                 other = paired.figure(tc, tb, kind="ratio", reps=reps, clock="wall" if cfg["clock"] == "cpu" else "cpu")
                 other.pop("candidate_s"), other.pop("baseline_s")
-                res.update(other_clock=other, chunk_reps=plan[0], chunks=plan[1], per_pair_median=[r["median"] for r in per_pair],
-                           label=label, unit="x", target=OUTSIDE_TARGET)
+                res.update(
+                    other_clock=other,
+                    chunk_reps=plan[0],
+                    chunks=plan[1],
+                    per_pair_median=[r["median"] for r in per_pair],
+                    label=label,
+                    unit="x",
+                    target=OUTSIDE_TARGET,
+                )
                 out["outside_" + case] = res
         finally:
             for pair in pairs:
@@ -284,16 +333,20 @@ def _print_table(figures: Dict[str, Dict[str, Any]]) -> None:
     print("-" * len(head))
     for res in figures.values():
         res["verdict"] = verdict(res["lo"], res["hi"], res["target"])
-        print(f"{res['label']:<72} {_target(res):>11}  {_fmt(res):<28} {_width(res):>8}  {res['verdict']:<10} "
-              f"{res['baseline_us_per_call']:>11.1f} / {res['candidate_us_per_call']:<10.1f}  "
-              f"{res['other_clock']['clock']} {_fmt(dict(res['other_clock'], unit=res['unit'])).split(' [')[0]}")
+        print(
+            f"{res['label']:<72} {_target(res):>11}  {_fmt(res):<28} {_width(res):>8}  {res['verdict']:<10} "
+            f"{res['baseline_us_per_call']:>11.1f} / {res['candidate_us_per_call']:<10.1f}  "
+            f"{res['other_clock']['clock']} {_fmt(dict(res['other_clock'], unit=res['unit'])).split(' [')[0]}"
+        )
 
 
 def _print_pairs(figures: Dict[str, Dict[str, Any]]) -> None:
     rows = [(r["label"], r["per_pair_median"]) for r in figures.values() if len(r.get("per_pair_median", [])) > 1]
     if rows:
-        print("\nouter figures, median of each worker pair (the interval above covers round-to-round noise,"
-              " not differences between processes):")
+        print(
+            "\nouter figures, median of each worker pair (the interval above covers round-to-round noise,"
+            " not differences between processes):"
+        )
         for label, meds in rows:
             print(f"  {label}: " + ", ".join(f"{m:.3f}" for m in meds))
 
@@ -310,8 +363,9 @@ def _dumps(obj: Any) -> str:
 def _git() -> Dict[str, Any]:
     def run(*args: str) -> Optional[str]:
         try:
-            return subprocess.run(["git", "--no-optional-locks", *args], cwd=HERE.parent, capture_output=True,
-                                  text=True, check=True).stdout.strip()
+            return subprocess.run(
+                ["git", "--no-optional-locks", *args], cwd=HERE.parent, capture_output=True, text=True, check=True
+            ).stdout.strip()
         except Exception:
             return None
 
@@ -328,8 +382,12 @@ def _machine() -> Dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "cpu_model": model or platform.processor()}
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "cpu_model": model or platform.processor(),
+    }
 
 
 def main() -> None:
@@ -338,16 +396,33 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="rounds per figure (quick 25, full 101; outside any tape 201)")
     parser.add_argument("--side-ms", type=float, help="milliseconds per side of a round (quick 50, full 150)")
     parser.add_argument("--pairs", type=int, help="worker process pairs for the outside-tape figures")
-    parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
-                        help="the time the figures are of: process CPU time (default) or wall time; both are saved")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="TensorFlow intra- and inter-op threads in every process (0: TensorFlow's default)")
-    parser.add_argument("--only", nargs="*", help="figure names to run (e.g. enter_exit meta_eager outside_keras_fit_epoch)")
-    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
-                        help="also measure memory (benchmarks.memory; default: on in the full run, off with --quick)")
-    parser.add_argument("--aa", action="store_true",
-                        help="A/A check of the harness: every figure with the baseline on both sides "
-                             "(two plain workers); the ratios should be 1 and the differences 0")
+    parser.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="the time the figures are of: process CPU time (default) or wall time; both are saved",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="TensorFlow intra- and inter-op threads in every process (0: TensorFlow's default)",
+    )
+    parser.add_argument(
+        "--only", nargs="*", help="figure names to run (e.g. enter_exit meta_eager outside_keras_fit_epoch)"
+    )
+    parser.add_argument(
+        "--memory",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also measure memory (benchmarks.memory; default: on in the full run, off with --quick)",
+    )
+    parser.add_argument(
+        "--aa",
+        action="store_true",
+        help="A/A check of the harness: every figure with the baseline on both sides "
+        "(two plain workers); the ratios should be 1 and the differences 0",
+    )
     args = parser.parse_args()
 
     mode = "quick" if args.quick else "full"
@@ -399,25 +474,53 @@ def main() -> None:
     elapsed = time.time() - started
     date = datetime.datetime.now(datetime.timezone.utc)
     meta = {
-        "date": date.isoformat(timespec="seconds"), "mode": run_name, "config": cfg, "threads": args.threads,
-        "elapsed_s": round(elapsed, 1), "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-        "machine": _machine(), "tensorflow": tf.__version__, "git": _git(),
+        "date": date.isoformat(timespec="seconds"),
+        "mode": run_name,
+        "config": cfg,
+        "threads": args.threads,
+        "elapsed_s": round(elapsed, 1),
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),
+        "machine": _machine(),
+        "tensorflow": tf.__version__,
+        "git": _git(),
     }
     import keras
 
     meta["keras"] = keras.__version__
-    summary = dict(meta, figures={
-        name: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()
-               if k in ("label", "unit", "target", "median", "lo", "hi", "verdict", "rounds", "reps",
-                        "baseline_us_per_call", "candidate_us_per_call")}
-        for name, res in figures.items()
-    }, memory=mem)
+    summary = dict(
+        meta,
+        figures={
+            name: {
+                k: (round(v, 4) if isinstance(v, float) else v)
+                for k, v in res.items()
+                if k
+                in (
+                    "label",
+                    "unit",
+                    "target",
+                    "median",
+                    "lo",
+                    "hi",
+                    "verdict",
+                    "rounds",
+                    "reps",
+                    "baseline_us_per_call",
+                    "candidate_us_per_call",
+                )
+            }
+            for name, res in figures.items()
+        },
+        memory=mem,
+    )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "latest.json").write_text(_dumps(dict(meta, figures=figures, memory=mem)))
     stamp = date.strftime("%Y-%m-%dT%H%M%S")
     (RESULTS / f"{stamp}-{run_name}.json").write_text(_dumps(summary))
-    print(f"\n{run_name} run, {elapsed / 60:.1f} min, load average {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}; "
-          f"saved {RESULTS / 'latest.json'} and {RESULTS / f'{stamp}-{run_name}.json'}")
+    print(
+        f"\n{run_name} run, {elapsed / 60:.1f} min, load average {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}; "
+        f"saved {RESULTS / 'latest.json'} and {RESULTS / f'{stamp}-{run_name}.json'}"
+    )
 
 
 if __name__ == "__main__":

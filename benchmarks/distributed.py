@@ -112,34 +112,51 @@ def main() -> None:
         for _ in range(3):
             got, want = steps["assigntape"](), steps["baseline"]()
         # The two sides compute the same meta-gradients, replica by replica.
-        for g, w in zip(tf.nest.flatten(strategy.experimental_local_results(got)),
-                        tf.nest.flatten(strategy.experimental_local_results(want))):
+        for g, w in zip(
+            tf.nest.flatten(strategy.experimental_local_results(got)),
+            tf.nest.flatten(strategy.experimental_local_results(want)),
+        ):
             np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=1e-6)
         print(f"timing the distributed meta-step [{mode}] ...", file=sys.stderr, flush=True)
         res = paired.measure(
-            paired.loop_side(steps["assigntape"]), paired.loop_side(steps["baseline"]),
-            rounds=args.rounds, target_s=args.side_ms / 1e3, chunk_s=0.01, before_round=gc.collect,
+            paired.loop_side(steps["assigntape"]),
+            paired.loop_side(steps["baseline"]),
+            rounds=args.rounds,
+            target_s=args.side_ms / 1e3,
+            chunk_s=0.01,
+            before_round=gc.collect,
         )
         res.update(target=TARGET)
         figures[mode] = res
         median, lo, hi = res["median"], res["lo"], res["hi"]
         verdict = paired.verdict(lo, hi, TARGET)
-        print(f"Keras SGD step vs per-replica step by hand [{mode}]: {median:.3f} [{lo:.3f}, {hi:.3f}] "
-              f"(target <= {TARGET}): {verdict}")
+        print(
+            f"Keras SGD step vs per-replica step by hand [{mode}]: {median:.3f} [{lo:.3f}, {hi:.3f}] "
+            f"(target <= {TARGET}): {verdict}"
+        )
         # The same pair under a plain tf.GradientTape: Keras's own cost.
         plain = _steps(strategy, mode == "compiled", plain=True)
         for _ in range(3):
             plain["assigntape"](), plain["baseline"]()
         ref = paired.measure(
-            paired.loop_side(plain["assigntape"]), paired.loop_side(plain["baseline"]),
-            rounds=args.rounds, target_s=args.side_ms / 1e3, chunk_s=0.01, before_round=gc.collect,
+            paired.loop_side(plain["assigntape"]),
+            paired.loop_side(plain["baseline"]),
+            rounds=args.rounds,
+            target_s=args.side_ms / 1e3,
+            chunk_s=0.01,
+            before_round=gc.collect,
         )
         figures[f"{mode}_plain_tape"] = ref
-        print(f"  the same pair under a plain tf.GradientTape (no assigntape) [{mode}]: "
-              f"{ref['median']:.3f} [{ref['lo']:.3f}, {ref['hi']:.3f}]")
+        print(
+            f"  the same pair under a plain tf.GradientTape (no assigntape) [{mode}]: "
+            f"{ref['median']:.3f} [{ref['lo']:.3f}, {ref['hi']:.3f}]"
+        )
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%S")
     summary = {
-        "date": stamp, "machine": _machine(), "git": _git(), "tensorflow": tf.__version__,
+        "date": stamp,
+        "machine": _machine(),
+        "git": _git(),
+        "tensorflow": tf.__version__,
         "load_avg": os.getloadavg(),
         "figures": {m: {k: f.get(k) for k in ("median", "lo", "hi", "target")} for m, f in figures.items()},
     }

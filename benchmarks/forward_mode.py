@@ -39,7 +39,9 @@ def _child(*args: str) -> Dict[str, Any]:
 def memory() -> Dict[str, Dict[str, float]]:
     out = {}
     for k in KS:
-        out[f"K={k}"] = {f"{mode} peak MiB": _child("memory", str(k), mode)["peak_mib"] for mode in ("forward", "reverse")}
+        out[f"K={k}"] = {
+            f"{mode} peak MiB": _child("memory", str(k), mode)["peak_mib"] for mode in ("forward", "reverse")
+        }
     return out
 
 
@@ -83,9 +85,8 @@ elif __name__ == "__main__" and sys.argv[1] == "memory":
     step = workloads.hypergradient(int(sys.argv[2]))[sys.argv[3]]
     print(json.dumps(_peak_and_retained(step)))
 elif __name__ == "__main__" and sys.argv[1] == "trace":
-    from benchmarks import workloads
-
     from assigntape import AssignAwareTape
+    from benchmarks import workloads
 
     with AssignAwareTape():
         pass  # one-time costs (building the patches) are not the trace's

@@ -81,7 +81,9 @@ def _peak_and_retained(step: Callable[[], object]) -> Dict[str, float]:
 def _in_subprocess(name: str, role: str) -> Dict[str, float]:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.memory", name, role],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -116,13 +118,15 @@ def measure(runs: int = RUNS) -> Dict[str, Dict[str, float]]:
         }
         if SAME_END_STATE in got:
             same = sorted(c / b for b, c in zip(peaks[SAME_END_STATE], peaks["assigntape"]))
-            out[name].update({
-                "same-end-state rewrite peak MiB": statistics.median(peaks[SAME_END_STATE]),
-                "same-end-state rewrite retained MiB": statistics.median(kept[SAME_END_STATE]),
-                "peak ratio vs same end state": statistics.median(same),
-                "peak ratio vs same end state lowest": same[0],
-                "peak ratio vs same end state highest": same[-1],
-            })
+            out[name].update(
+                {
+                    "same-end-state rewrite peak MiB": statistics.median(peaks[SAME_END_STATE]),
+                    "same-end-state rewrite retained MiB": statistics.median(kept[SAME_END_STATE]),
+                    "peak ratio vs same end state": statistics.median(same),
+                    "peak ratio vs same end state lowest": same[0],
+                    "peak ratio vs same end state highest": same[-1],
+                }
+            )
     from benchmarks import workloads
 
     step = workloads.writes_per_tape(1)["assigntape"]
@@ -142,16 +146,17 @@ def print_report(mem: Dict[str, Dict[str, float]]) -> None:
         line = f"memory, {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in m.items() if k not in ("peak target", "runs"))
         for key in ("peak ratio", "peak ratio vs same end state"):
             if key in m:
-                line += f"  ({key} target <= {m['peak target']:.2f}: {'holds' if m[key] <= m['peak target'] else 'misses'})"
+                line += (
+                    f"  ({key} target <= {m['peak target']:.2f}: {'holds' if m[key] <= m['peak target'] else 'misses'})"
+                )
         print(line)
 
 
 if __name__ == "__main__" and len(sys.argv) == 1:
     print_report(measure())  # python -m benchmarks.memory: the whole report
 elif __name__ == "__main__":
-    from benchmarks import workloads
-
     from assigntape import AssignAwareTape
+    from benchmarks import workloads
 
     # One-time costs are not a step's: the first tape builds the patches'
     # wrappers and loads TensorFlow's raw-op API modules. Pay them first, the

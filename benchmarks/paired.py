@@ -126,8 +126,7 @@ def measure(
             progress(f"{i + 1}/{rounds}")
     res = figure(tc, tb, kind=kind, reps=reps, per=per, clock=clock)
     res["chunk_reps"], res["chunks"] = chunk_reps, chunks
-    res["other_clock"] = figure(tc, tb, kind=kind, reps=reps, per=per,
-                                clock="wall" if clock == "cpu" else "cpu")
+    res["other_clock"] = figure(tc, tb, kind=kind, reps=reps, per=per, clock="wall" if clock == "cpu" else "cpu")
     for k in ("candidate", "baseline"):
         res["other_clock"].pop(k + "_s")
     return res

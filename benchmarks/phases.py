@@ -30,7 +30,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
-PHASES = ["reset", "enter", "inner forward", "inner gradient", "writes (rewrite: p - lr*g)", "outer forward", "exit", "outer gradient"]
+PHASES = [
+    "reset",
+    "enter",
+    "inner forward",
+    "inner gradient",
+    "writes (rewrite: p - lr*g)",
+    "outer forward",
+    "exit",
+    "outer gradient",
+]
 
 
 def programs() -> Dict[str, Callable[[List[float]], None]]:
@@ -112,7 +121,9 @@ def main() -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     found = measure(args.rounds, args.steps)
-    print(f"{'phase':28s} {'- rewrite':>12s} {'- written, plain tape':>22s}   (us a step, medians of {args.rounds} rounds)")
+    print(
+        f"{'phase':28s} {'- rewrite':>12s} {'- written, plain tape':>22s}   (us a step, medians of {args.rounds} rounds)"
+    )
     for phase, (vs_rewrite, vs_plain) in found.items():
         plain = "(gradient differs)" if phase == "outer gradient" else f"{vs_plain:+.1f}"
         print(f"{phase:28s} {vs_rewrite:>+12.1f} {plain:>22s}")

@@ -51,14 +51,16 @@ def _profile(label: str, fn, calls: int, top: int) -> None:
     print(f"\n=== {label}: {calls} calls, {total:.3f} s profiled ({total / calls * 1e6:.1f} us per call) ===")
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     print(f"{'tottime s':>10} {'% of total':>10} {'us per call of it':>18} {'ncalls':>10}  function")
-    for (path, line, name), (cc, nc, tt, ct, _callers) in rows:
+    for (path, line, name), (_cc, nc, tt, _ct, _callers) in rows:
         where = f"{_short(path)}:{line}({name})" if line else name
         print(f"{tt:>10.3f} {tt / total * 100:>9.1f}% {tt / calls * 1e6:>18.2f} {nc:>10}  {where}")
     ours = sorted(((k, v) for k, v in stats.stats.items() if _ours(k[0])), key=lambda kv: kv[1][2], reverse=True)
     own = sum(v[2] for _, v in ours)
-    print(f"assigntape's own functions (tottime, under cProfile): {own:.3f} s, {own / total * 100:.1f}% of the total, "
-          f"{own / calls * 1e6:.1f} us per call; the top {min(5, len(ours))}:")
-    for (path, line, name), (cc, nc, tt, ct, _callers) in ours[:5]:
+    print(
+        f"assigntape's own functions (tottime, under cProfile): {own:.3f} s, {own / total * 100:.1f}% of the total, "
+        f"{own / calls * 1e6:.1f} us per call; the top {min(5, len(ours))}:"
+    )
+    for (path, line, name), (_cc, nc, tt, _ct, _callers) in ours[:5]:
         print(f"    {tt / calls * 1e6:8.2f} us per call  {nc:>8} calls  {_short(path)}:{line}({name})")
 
 

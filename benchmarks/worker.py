@@ -108,7 +108,6 @@ def main() -> None:
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     if args.assigntape:
         from assigntape import _patches
-
         from benchmarks import workloads
 
         steps = workloads.writes_per_tape(3)

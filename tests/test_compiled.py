@@ -7,9 +7,9 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import assert_grads_close, modes, run
 
 from assigntape import AssignAwareTape, AssignTapeError, ControlFlowWriteError
-from oracle import assert_grads_close, modes, run
 
 
 @modes
@@ -212,7 +212,12 @@ def test_nested_raw_read_in_a_compiled_tape():
 
 # -- the graph's own gradient through writes in control flow --------------------
 def _writes_in(
-    where: str, x: tf.Variable, w: tf.Variable, gradients_inside: bool = True, tf_gradients_first: bool = False, jit: bool = False
+    where: str,
+    x: tf.Variable,
+    w: tf.Variable,
+    gradients_inside: bool = True,
+    tf_gradients_first: bool = False,
+    jit: bool = False,
 ):
     """A tf.function whose tape writes w <- w + x w three times in ``where``:
     out = w x = w0 (1 + x)^3 x, d out / dx = 21.875 at w0 = 0.5, x = 1.5.
@@ -369,9 +374,7 @@ def test_a_hessian_vector_product_through_tf_gradients_and_a_cond_branch_write(p
     def rewrite():
         state = {"w": tf.constant(w0), "u": tf.constant(u0, tf.float64)}
         start = dict(state)
-        state["u"] = tf.cond(
-            x[0] > 0, lambda: start["u"] * x[0] * tf.reduce_sum(start["w"]), lambda: start["u"] + x[1]
-        )
+        state["u"] = tf.cond(x[0] > 0, lambda: start["u"] * x[0] * tf.reduce_sum(start["w"]), lambda: start["u"] + x[1])
         out = state["u"] * tf.reduce_sum(state["w"] * state["w"])
         loss = tf.reduce_sum(tf.gradients(out, x)[0] * c)
         return tf.gradients(loss, [x, start["w"], start["u"]], unconnected_gradients="zero")
@@ -484,7 +487,9 @@ def test_an_eager_tape_around_a_function_that_takes_tf_gradients_inside(where):
             tape.watch(x)
             out = f(x)
         gw, gx = tape.gradient(out, [w, x])
-        assert float(gw) == pytest.approx(1.5**3 + 3 * 1.5**2) and float(gx) == pytest.approx(3 * 0.5 * 1.5**2 + 3 * 1.5)
+        assert float(gw) == pytest.approx(1.5**3 + 3 * 1.5**2) and float(gx) == pytest.approx(
+            3 * 0.5 * 1.5**2 + 3 * 1.5
+        )
 
 
 @pytest.mark.parametrize("with_cond", [True, False])
@@ -765,7 +770,9 @@ def test_higher_order_through_tf_gradients_in_a_non_persistent_tape_is_right(kin
     exact = _HIGHER_ORDER_EXACT[program](x)
     np.testing.assert_allclose(_higher_order(kind, program, tf.GradientTape, True, False, jit)(), exact, rtol=1e-12)
     for write in (False, True):
-        np.testing.assert_allclose(_higher_order(kind, program, AssignAwareTape, False, write, jit)(), exact, rtol=1e-12)
+        np.testing.assert_allclose(
+            _higher_order(kind, program, AssignAwareTape, False, write, jit)(), exact, rtol=1e-12
+        )
     try:
         plain = _higher_order(kind, program, tf.GradientTape, False, False, jit)()
     except ValueError:  # a None inside TensorFlow's jacobian

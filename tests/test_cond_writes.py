@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import assert_grads_close
 
 from assigntape import AssignAwareTape
-from oracle import assert_grads_close
 
 ZERO = tf.UnconnectedGradients.ZERO
 
@@ -179,9 +179,11 @@ REWRITES = {
     "scatter_mul": lambda t, a: tf.tensor_scatter_nd_update(t, [[0], [3]], tf.gather(t, [0, 3]) * tf.stack([a, 3.0])),
     "scatter_div": lambda t, a: tf.tensor_scatter_nd_update(t, [[1], [2]], tf.gather(t, [1, 2]) / tf.stack([a, 4.0])),
     "scatter_max": lambda t, a: tf.tensor_scatter_nd_update(
-        t, [[0], [1]], tf.maximum(tf.gather(t, [0, 1]), tf.stack([a * 2.0, -5.0]))),
+        t, [[0], [1]], tf.maximum(tf.gather(t, [0, 1]), tf.stack([a * 2.0, -5.0]))
+    ),
     "scatter_min": lambda t, a: tf.tensor_scatter_nd_update(
-        t, [[0], [1]], tf.minimum(tf.gather(t, [0, 1]), tf.stack([a * 2.0, -5.0]))),
+        t, [[0], [1]], tf.minimum(tf.gather(t, [0, 1]), tf.stack([a * 2.0, -5.0]))
+    ),
     "scatter_nd_update": lambda t, a: tf.tensor_scatter_nd_update(t, [[1], [3]], tf.stack([a, -a])),
     "scatter_nd_add": lambda t, a: tf.tensor_scatter_nd_add(t, [[0], [0]], tf.stack([a, a * a])),
     "scatter_nd_sub": lambda t, a: tf.tensor_scatter_nd_sub(t, [[2]], tf.reshape(a * 3.0, [1])),

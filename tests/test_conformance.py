@@ -9,9 +9,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import MODES, run
 
 from assigntape import AssignAwareTape
-from oracle import MODES, run
 
 CASES: List[Callable[[type], Any]] = []
 
@@ -280,8 +280,11 @@ def _assert_identical(a: Any, b: Any) -> None:
             assert x == y
 
 
-EAGER_ONLY = {"second_gradient_on_non_persistent_tape", "jacobian_needs_persistent_without_pfor",
-              "gradient_inside_the_context"}
+EAGER_ONLY = {
+    "second_gradient_on_non_persistent_tape",
+    "jacobian_needs_persistent_without_pfor",
+    "gradient_inside_the_context",
+}
 
 
 PARAMS = [

@@ -31,6 +31,7 @@ TX, TV = 0.3, np.array([1.0, -2.0, 0.5])
 
 # -- write kinds: each as a write to the variable, and as its rewrite --------
 
+
 def _assign(v: Any, x: Any, e: Any) -> Any:
     return v.assign(v * x * e)
 
@@ -214,10 +215,14 @@ CONTEXTS: Dict[str, Tuple[Callable[..., None], str, Expect]] = {
     "xla": (_direct, "xla", "same"),
     "called tf.function": (_called_function, "eager", (UntrackedWriteError, "tf.function 'step'")),
     "called xla function": (
-        lambda w, v, x: _called_function(w, v, x, jit=True), "eager", (UntrackedWriteError, "tf.function 'step'")
+        lambda w, v, x: _called_function(w, v, x, jit=True),
+        "eager",
+        (UntrackedWriteError, "tf.function 'step'"),
     ),
     "tf.function called in the tape's function": (
-        _called_function, "function", (ControlFlowWriteError, "tf.function 'step'")
+        _called_function,
+        "function",
+        (ControlFlowWriteError, "tf.function 'step'"),
     ),
     "dataset map": (_dataset_map, "eager", (UntrackedWriteError, "tf.data function")),
     "dataset filter": (_dataset_filter, "eager", (UntrackedWriteError, "tf.data function")),
@@ -232,20 +237,28 @@ CONTEXTS: Dict[str, Tuple[Callable[..., None], str, Expect]] = {
     # The body runs when the graph runs, in TensorFlow's runtime, which
     # reports the refusal as its own UnknownError, with the message.
     "py_function in the tape's function": (
-        _py_function, "function", (tf.errors.UnknownError, "UntrackedWriteError: The Python function 'body'")
+        _py_function,
+        "function",
+        (tf.errors.UnknownError, "UntrackedWriteError: The Python function 'body'"),
     ),
     "numpy_function in the tape's function": (
-        _numpy_function, "function", (tf.errors.UnknownError, "UntrackedWriteError: The Python function 'body'")
+        _numpy_function,
+        "function",
+        (tf.errors.UnknownError, "UntrackedWriteError: The Python function 'body'"),
     ),
     "map_fn": (_map_fn, "eager", "same"),
     # Forward mode through a graph loop that reads a variable with a tangent
     # is refused (README, Known limits: Forward mode).
-    "map_fn in the tape's function": (_map_fn, "function", {
-        "AssignAwareTape": "same",
-        "plain tape beside": "same",
-        "tf ForwardAccumulator": (ControlFlowWriteError, "(?s)graph loop.*x_read"),
-        "assigntape ForwardAccumulator": (ControlFlowWriteError, "(?s)graph loop.*x_read"),
-    }),
+    "map_fn in the tape's function": (
+        _map_fn,
+        "function",
+        {
+            "AssignAwareTape": "same",
+            "plain tape beside": "same",
+            "tf ForwardAccumulator": (ControlFlowWriteError, "(?s)graph loop.*x_read"),
+            "assigntape ForwardAccumulator": (ControlFlowWriteError, "(?s)graph loop.*x_read"),
+        },
+    ),
     "vectorized_map": (_vectorized_map, "eager", (AssignTapeError, "vectorized_map")),
     # Inside a graph, TensorFlow's pfor falls back to a graph loop for a
     # write it cannot vectorize, in the tape's graph: followed.
@@ -340,7 +353,9 @@ def test_a_write_in_every_context_is_differentiated_or_refused(name: str, record
     if expect != "same":
         error, fragment = expect
         # The refusal names the variable written and the context.
-        pattern = fragment if fragment.startswith("(?s)") else f"(?s)v_written.*{_re(fragment)}|{_re(fragment)}.*v_written"
+        pattern = (
+            fragment if fragment.startswith("(?s)") else f"(?s)v_written.*{_re(fragment)}|{_re(fragment)}.*v_written"
+        )
         with pytest.raises(error, match=pattern):
             _run(mode, lambda: _recorded(recorder, context, write, v, x))
         return
@@ -364,6 +379,7 @@ def _re(text: str) -> str:
 
 
 # -- SavedModels of a function whose own tape writes ----------------------------
+
 
 class _TapeModule(tf.Module):
     """A function holding a tape that writes: the hypergradient of one step."""
@@ -423,6 +439,7 @@ _NOT_AHEAD = tf.data.Options()
 _NOT_AHEAD.autotune.enabled = False
 _NOT_AHEAD.experimental_optimization.inject_prefetch = False
 
+
 @pytest.mark.parametrize("how", ["map", "reduce"])
 def test_a_dataset_write_is_cut_by_option_and_left_unwritten_when_refused(how: str) -> None:
     """With untracked_writes='cut' the write is a version with no gradient
@@ -439,7 +456,9 @@ def test_a_dataset_write_is_cut_by_option_and_left_unwritten_when_refused(how: s
         run = lambda: ds.reduce(tf.constant(0.0, tf.float64), lambda s, f: (v.assign(v * x * f), s)[1])  # noqa: E731
     with AssignAwareTape() as tape:
         before = tf.reduce_sum(v)
-        with pytest.raises(UntrackedWriteError, match="(?s)tf.data function.*v_written.*write the variable in the loop body"):
+        with pytest.raises(
+            UntrackedWriteError, match="(?s)tf.data function.*v_written.*write the variable in the loop body"
+        ):
             run()
     np.testing.assert_array_equal(v.numpy(), V0)  # refused before it ran
     assert len(tape.versions(v)) == 1

@@ -11,10 +11,10 @@ from typing import Any, Callable, Dict, List, Tuple
 import numpy as np
 import pytest
 import tensorflow as tf
-
-from assigntape import AssignAwareTape, Reason
 from helpers.rules import rules_removed
 from oracle import MODES, modes, run
+
+from assigntape import AssignAwareTape, Reason
 
 Program = Callable[[], Tuple[AssignAwareTape, Any, Dict[str, Any]]]
 

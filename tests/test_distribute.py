@@ -15,7 +15,6 @@ import sys
 
 import numpy as np
 import tensorflow as tf
-
 from helpers import free_ports
 from helpers.mirrored_meta_step import TASKS, W0
 
@@ -62,7 +61,11 @@ def _helper_output(module):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     done = subprocess.run(
         [sys.executable, "-m", f"helpers.{module}"],
-        cwd=ROOT / "tests", env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT / "tests",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -101,7 +104,11 @@ def test_multi_worker_mirrored_strategy_on_loopback():
             workers.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "helpers.multiworker_meta_step"],
-                    cwd=ROOT / "tests", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    cwd=ROOT / "tests",
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
                 )
             )
         outputs = [w.communicate(timeout=300) for w in workers]
@@ -243,8 +250,14 @@ def _functional_other_device():
         return tf.reduce_sum(w * w)
 
     step = lambda w, lr: tf.reduce_sum((w - lr * 2.0 * w) * 3.0)  # noqa: E731
-    return {"top_level": grads(step), "in_cond": grads(cond), "in_loop": grads(loop),
-            "fused_kernel": grads(step), "scatter": grads(scatter), "two_writes": grads(two_writes)}
+    return {
+        "top_level": grads(step),
+        "in_cond": grads(cond),
+        "in_loop": grads(loop),
+        "fused_kernel": grads(step),
+        "scatter": grads(scatter),
+        "two_writes": grads(two_writes),
+    }
 
 
 def test_central_storage_strategy_meta_step_matches_one_device():
@@ -252,7 +265,8 @@ def test_central_storage_strategy_meta_step_matches_one_device():
     device: in cross-replica context, eager and compiled, the step gives the
     rewrite's meta-gradients and weights; an aggregated write in a replica's
     tape is refused by name (Known limits)."""
-    from helpers.central_storage import LR, W0 as CS_W0, X
+    from helpers.central_storage import LR, X
+    from helpers.central_storage import W0 as CS_W0
 
     out = _helper_output("central_storage")
     assert out["type"] == "AggregatingVariable"
@@ -334,10 +348,21 @@ def test_keras_optimizer_steps_in_replica_context():
     for name, got in out.pop("plain_around").items():
         for mode in ("eager", "compiled"):
             assert "result" in got[mode], (name, mode, got[mode])
-            np.testing.assert_allclose(got[mode]["result"], out[name]["single"][0][0], rtol=1e-5, err_msg=f"{name} {mode}")
+            np.testing.assert_allclose(
+                got[mode]["result"], out[name]["single"][0][0], rtol=1e-5, err_msg=f"{name} {mode}"
+            )
     legacy = [name for name in out if name.startswith(("legacy_", "v1_"))]
     assert len(legacy) == 12
-    for name in ("SGD", "SGD_momentum", "Adam", "RMSprop", "SGD_on_read_none", "SGD_on_read_sum", "SGD_on_read_mean", *legacy):
+    for name in (
+        "SGD",
+        "SGD_momentum",
+        "Adam",
+        "RMSprop",
+        "SGD_on_read_none",
+        "SGD_on_read_sum",
+        "SGD_on_read_mean",
+        *legacy,
+    ):
         single = out[name]["single"]
         assert single[0][0] != single[1][0]  # the steps differ
         for mode in ("eager", "compiled"):

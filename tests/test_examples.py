@@ -9,9 +9,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import modes, run
 
 from assigntape.examples import hypergradient_lr, maml_sine, soft_update_tau
-from oracle import modes, run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -105,8 +105,13 @@ def test_evaluation_equals_adapting_the_keras_model():
 
 def test_maml_sine_small_run(tmp_path):
     config = maml_sine.Config(
-        iterations=40, baseline_iterations=40, meta_batch=4, eval_tasks=30, eval_steps=3,
-        plot=str(tmp_path / "maml.png"), progress=False,
+        iterations=40,
+        baseline_iterations=40,
+        meta_batch=4,
+        eval_tasks=30,
+        eval_steps=3,
+        plot=str(tmp_path / "maml.png"),
+        progress=False,
     )
     results = maml_sine.run(config)
     methods = results["methods"]
@@ -127,8 +132,14 @@ def test_maml_report_says_diverged_and_no_target():
     results, not the project's goals."""
     curve = {"MAML": [2.9, 0.4, 0.25], "Meta-SGD": [2.9, 0.24, float("nan")], "pretrained": [2.9, 1.867, float("inf")]}
     results = {
-        "config": {"eval_steps": 2, "eval_tasks": 600, "shots": 10, "inner_lr": 0.01,
-                   "iterations": 15000, "compiled": True},
+        "config": {
+            "eval_steps": 2,
+            "eval_tasks": 600,
+            "shots": 10,
+            "inner_lr": 0.01,
+            "iterations": 15000,
+            "compiled": True,
+        },
         "methods": {name: {"curve": c} for name, c in curve.items()},
         "seconds": 1.0,
     }

@@ -7,19 +7,19 @@ equal the reverse-mode ones. No case may kill the process
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
-import pathlib
 from typing import Any, Callable
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import modes, run
 
 import assigntape
 from assigntape import AssignAwareTape
-from oracle import modes, run
 
 X0 = np.array([0.7, -1.3, 2.1])
 TANGENT = np.array([0.4, 1.1, -0.6])
@@ -40,12 +40,14 @@ def _program(write: Callable[[str, Any], None], read: Callable[[str], Any], x: A
 def _with_variables(c: tf.Variable, v: tf.Variable, x: Any) -> Any:
     ops = {
         "c": iter([lambda old: c.assign_add(tf.reduce_sum(x * x)), lambda old: c.assign_sub(v[1] * x[2])]),
-        "v": iter([
-            lambda old: v.scatter_update(tf.IndexedSlices(tf.stack([x[1], x[0] * x[2]]), [0, 2])),
-            lambda old: v.scatter_mul(tf.IndexedSlices(tf.stack([x[0]]), [1])),
-            lambda old: v[1:].assign(v[1:] + tf.sin(x[1:])),
-            lambda old: v.scatter_max(tf.IndexedSlices(tf.stack([x[0] * 5.0]), [1])),
-        ]),
+        "v": iter(
+            [
+                lambda old: v.scatter_update(tf.IndexedSlices(tf.stack([x[1], x[0] * x[2]]), [0, 2])),
+                lambda old: v.scatter_mul(tf.IndexedSlices(tf.stack([x[0]]), [1])),
+                lambda old: v[1:].assign(v[1:] + tf.sin(x[1:])),
+                lambda old: v.scatter_max(tf.IndexedSlices(tf.stack([x[0] * 5.0]), [1])),
+            ]
+        ),
     }
     variables = {"c": c, "v": v}
     return _program(lambda name, fn: next(ops[name])(None), lambda name: variables[name] * 1.0, x)
@@ -217,8 +219,9 @@ def test_fused_kernel_under_a_forward_accumulator():
     lr = tf.Variable(0.1)
     with tf.autodiff.ForwardAccumulator(lr, tf.constant(1.0)) as acc:
         with AssignAwareTape():
-            tf.raw_ops.ResourceApplyMomentum(var=var.handle, accum=accum.handle, lr=lr * 1.0, grad=tf.sin(var),
-                                             momentum=0.9)
+            tf.raw_ops.ResourceApplyMomentum(
+                var=var.handle, accum=accum.handle, lr=lr * 1.0, grad=tf.sin(var), momentum=0.9
+            )
             y = tf.reduce_sum(var * var)
     # var1 = var0 - lr * (0.9 accum0 + sin(var0)); d y / d lr = 2 var1 . -(0.9 accum0 + sin(var0))
     step = 0.9 * np.array([0.1, 0.2]) + np.sin([0.5, -1.0])
@@ -568,7 +571,9 @@ def test_a_variable_read_in_a_compiled_loop_under_an_accumulator_is_refused(arra
     captures (adversarial findings: beside the written variable's tangent it
     was dropped, jvp 6.859 instead of 12.274; written before the loop,
     TensorFlow failed with a TypeError about a variant dtype)."""
-    with pytest.raises(assigntape.ControlFlowWriteError, match="(?s)'rate_x:0'.*Read the variable once before the loop"):
+    with pytest.raises(
+        assigntape.ControlFlowWriteError, match="(?s)'rate_x:0'.*Read the variable once before the loop"
+    ):
         _loop_reading("rate_x", arrangement, read_before=False, x_written=x_written)
 
 
@@ -595,7 +600,7 @@ def _sgd_in_a_loop(arrangement: str, loop: str) -> Any:
     @tf.function
     def step(lr: Any) -> Any:
         def steps() -> Any:
-            for _ in (tf.range(3) if loop == "graph loop" else range(3)):
+            for _ in tf.range(3) if loop == "graph loop" else range(3):
                 w.assign_sub(lr * 2.0 * w)
             return w * w
 
@@ -622,7 +627,9 @@ def test_forward_mode_through_writes_in_a_compiled_loop(arrangement):
     jvp, _ = _sgd_in_a_loop(arrangement, "python loop")
     # y = w0^2 (1 - 2 lr)^6: dy/dlr = -12 w0^2 (1 - 2 lr)^5.
     assert float(jvp) == pytest.approx(-12.0 * 0.4**2 * 0.9**5, rel=1e-12)
-    with pytest.raises(assigntape.ControlFlowWriteError, match="(?s)writes 'w_sgd:0'.*Unroll the loop in Python") as caught:
+    with pytest.raises(
+        assigntape.ControlFlowWriteError, match="(?s)writes 'w_sgd:0'.*Unroll the loop in Python"
+    ) as caught:
         _sgd_in_a_loop(arrangement, "graph loop")
     # TensorFlow's error, named (tf.function rewrites the exception, without its cause).
     cause = "ValueError: ...without handle data" if "alone" in arrangement else "TypeError: ...<dtype: 'variant'>"
@@ -632,12 +639,15 @@ def test_forward_mode_through_writes_in_a_compiled_loop(arrangement):
 def test_forward_over_reverse_through_a_compiled_graph_loop_fails_in_plain_tensorflow():
     """Why the graph loop above fails with a reverse tape open: no variable,
     no assigntape, a plain tape watching the input beside the accumulator."""
+
     def step(lr: Any, watch: bool) -> Any:
         with tf.autodiff.ForwardAccumulator(lr, tf.constant(1.0, tf.float64)) as acc:
             with tf.GradientTape() as tape:
                 if watch:
                     tape.watch(lr)
-                w = tf.while_loop(lambda i, w: i < 3, lambda i, w: (i + 1, w - lr * 2.0 * w), [0, tf.constant(0.4, tf.float64)])[1]
+                w = tf.while_loop(
+                    lambda i, w: i < 3, lambda i, w: (i + 1, w - lr * 2.0 * w), [0, tf.constant(0.4, tf.float64)]
+                )[1]
                 y = w * w
         return acc.jvp(y)
 

@@ -18,10 +18,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import modes, run
 
 import assigntape
 from assigntape import AssignAwareTape
-from oracle import modes, run
 
 ACCUMULATORS = ["assigntape alone", "tf around a tape", "tf inside a tape"]
 
@@ -213,7 +213,12 @@ def test_forward_hypergradient_through_the_fused_v1_adam_with_an_unused_row(accu
         lr.assign(lr_value)
         for slot in optimizer.variables():
             name = slot.name
-            slot.assign(tf.fill(tf.shape(slot), tf.constant(0.9 if "beta1" in name else 0.999 if "beta2" in name else 0.0, slot.dtype)))
+            slot.assign(
+                tf.fill(
+                    tf.shape(slot),
+                    tf.constant(0.9 if "beta1" in name else 0.999 if "beta2" in name else 0.0, slot.dtype),
+                )
+            )
 
     reset()
     jvp = _jvp(accumulator, lr, steps)

@@ -31,8 +31,7 @@ from tensorflow.core.framework import op_def_pb2, types_pb2
 from tensorflow.python.client import pywrap_tf_session
 from tensorflow.python.ops import resource_variable_ops, state_ops
 
-from assigntape import AssignAwareTape, DuplicateIndicesError, UntrackedWriteError
-from assigntape import _fused, _patches, _rules
+from assigntape import AssignAwareTape, DuplicateIndicesError, UntrackedWriteError, _fused, _patches, _rules
 
 F64, C128 = tf.float64, tf.complex128
 
@@ -91,22 +90,50 @@ def test_the_kernels_wrappers_are_patched():
 # |linear| <= l1 (new var 0), some proximal steps shrink to 0 (``KINKED``).
 
 HYPER: Dict[str, float] = {
-    "lr": 0.3, "alpha": 0.3, "momentum": 0.7, "beta1": 0.8, "beta2": 0.95, "beta1_power": 0.64,
-    "beta2_power": 0.9025, "epsilon": 0.05, "rho": 0.8, "l1": 0.6, "l2": 0.2, "l2_shrinkage": 0.15,
-    "lr_power": -0.5, "sign_decay": 0.6, "beta": 0.7, "logbase": float(np.log(2.0)),
+    "lr": 0.3,
+    "alpha": 0.3,
+    "momentum": 0.7,
+    "beta1": 0.8,
+    "beta2": 0.95,
+    "beta1_power": 0.64,
+    "beta2_power": 0.9025,
+    "epsilon": 0.05,
+    "rho": 0.8,
+    "l1": 0.6,
+    "l2": 0.2,
+    "l2_shrinkage": 0.15,
+    "lr_power": -0.5,
+    "sign_decay": 0.6,
+    "beta": 0.7,
+    "logbase": float(np.log(2.0)),
 }
 # (low, high) of each slot's starting values; others are uniform in (-1, 1).
 SLOT_RANGE = {
-    "accum": (0.2, 1.0), "ms": (0.6, 1.0), "mg": (-0.3, 0.3), "v": (0.05, 0.2), "vhat": (0.05, 0.3),
-    "accum_update": (0.2, 1.0), "gradient_squared_accumulator": (0.2, 1.0),
+    "accum": (0.2, 1.0),
+    "ms": (0.6, 1.0),
+    "mg": (-0.3, 0.3),
+    "v": (0.05, 0.2),
+    "vhat": (0.05, 0.3),
+    "accum_update": (0.2, 1.0),
+    "gradient_squared_accumulator": (0.2, 1.0),
 }
 COMPLEX_KERNELS = {  # the kernels TensorFlow registers for complex types on the CPU
-    "GradientDescent", "Momentum", "KerasMomentum", "Adagrad", "AdagradV2", "Adadelta", "Adam", "RMSProp",
+    "GradientDescent",
+    "Momentum",
+    "KerasMomentum",
+    "Adagrad",
+    "AdagradV2",
+    "Adadelta",
+    "Adam",
+    "RMSProp",
     "CenteredRMSProp",
 }
 # The value whose size the l1 shrinkage compares with its threshold.
 KINKED = {
-    "Ftrl": "linear", "FtrlV2": "linear", "ProximalGradientDescent": "var", "ProximalAdagrad": "var",
+    "Ftrl": "linear",
+    "FtrlV2": "linear",
+    "ProximalGradientDescent": "var",
+    "ProximalAdagrad": "var",
     "AdagradDA": "gradient_accumulator",
 }
 GLOBAL_STEP = 3
@@ -210,7 +237,11 @@ class KernelCall:
             with AssignAwareTape() as tape:
                 tape.watch(list(inputs.values()))
                 if mode == "cond":
-                    tf.cond(tf.constant(True), lambda: (self.call(variables, inputs), tf.constant(0))[1], lambda: tf.constant(0))
+                    tf.cond(
+                        tf.constant(True),
+                        lambda: (self.call(variables, inputs), tf.constant(0))[1],
+                        lambda: tf.constant(0),
+                    )
                 elif mode == "loop":
                     tf.while_loop(lambda i: i < 1, lambda i: (self.call(variables, inputs), i + 1)[1], [tf.constant(0)])
                 else:
@@ -268,7 +299,9 @@ def _check_kernel(call: KernelCall, mode: str) -> None:
     rng = np.random.default_rng(7)
     for key in [*call.kernel.writes, *call.kernel.inputs]:
         point = call.old.get(key, call.inputs.get(key))
-        direction = rng.normal(size=np.shape(point)) + (1j * rng.normal(size=np.shape(point)) if call.dtype.is_complex else 0)
+        direction = rng.normal(size=np.shape(point)) + (
+            1j * rng.normal(size=np.shape(point)) if call.dtype.is_complex else 0
+        )
         if key == "l1" and float(np.real(point)) == 0.0:
             # At l1 == 0 the kernel takes its no-shrinkage branch, and so does
             # the gradient: none reaches l1 (l1 < 0 is refused by some kernels).
@@ -335,42 +368,54 @@ OPTIMIZERS: Dict[str, Spec] = {
         lambda lr: V1.MomentumOptimizer(lr, 0.8), "ResourceApplyMomentum", "ResourceSparseApplyMomentum"
     ),
     "v1_nesterov": Spec(
-        lambda lr: V1.MomentumOptimizer(lr, 0.8, use_nesterov=True), "ResourceApplyMomentum",
+        lambda lr: V1.MomentumOptimizer(lr, 0.8, use_nesterov=True),
+        "ResourceApplyMomentum",
         "ResourceSparseApplyMomentum",
     ),
     # Its sparse step is assign and scatter ops, no kernel: here for the slot
     # lookup of tf.compat.v1 optimizers after a write in the tape's graph.
     "v1_adam": Spec(lambda lr: V1.AdamOptimizer(lr, epsilon=1e-3), "ResourceApplyAdam", "ResourceScatterAdd"),
     "v1_rmsprop": Spec(
-        lambda lr: V1.RMSPropOptimizer(lr, epsilon=1e-3), "ResourceApplyRMSProp", "ResourceSparseApplyRMSProp",
+        lambda lr: V1.RMSPropOptimizer(lr, epsilon=1e-3),
+        "ResourceApplyRMSProp",
+        "ResourceSparseApplyRMSProp",
         lr=0.05,
     ),
     "v1_rmsprop_momentum": Spec(
-        lambda lr: V1.RMSPropOptimizer(lr, momentum=0.5, epsilon=1e-3), "ResourceApplyRMSProp",
-        "ResourceSparseApplyRMSProp", lr=0.05,
+        lambda lr: V1.RMSPropOptimizer(lr, momentum=0.5, epsilon=1e-3),
+        "ResourceApplyRMSProp",
+        "ResourceSparseApplyRMSProp",
+        lr=0.05,
     ),
     "v1_rmsprop_centered": Spec(
         lambda lr: V1.RMSPropOptimizer(lr, momentum=0.5, epsilon=1e-3, centered=True),
-        "ResourceApplyCenteredRMSProp", "ResourceSparseApplyCenteredRMSProp", lr=0.05,
+        "ResourceApplyCenteredRMSProp",
+        "ResourceSparseApplyCenteredRMSProp",
+        lr=0.05,
     ),
     "v1_adagrad": Spec(lambda lr: V1.AdagradOptimizer(lr), "ResourceApplyAdagrad", "ResourceSparseApplyAdagrad"),
     "v1_adagrad_da": Spec(
         lambda lr: V1.AdagradDAOptimizer(
             lr, tf.Variable(1, dtype=tf.int64), l1_regularization_strength=0.01, l2_regularization_strength=0.01
         ),
-        "ResourceApplyAdagradDA", "ResourceSparseApplyAdagradDA",
+        "ResourceApplyAdagradDA",
+        "ResourceSparseApplyAdagradDA",
     ),
     "v1_adadelta": Spec(
-        lambda lr: V1.AdadeltaOptimizer(lr, epsilon=1e-2), "ResourceApplyAdadelta", "ResourceSparseApplyAdadelta",
+        lambda lr: V1.AdadeltaOptimizer(lr, epsilon=1e-2),
+        "ResourceApplyAdadelta",
+        "ResourceSparseApplyAdadelta",
         lr=1.0,
     ),
     "v1_ftrl": Spec(
         lambda lr: V1.FtrlOptimizer(lr, l1_regularization_strength=0.01, l2_regularization_strength=0.01),
-        "ResourceApplyFtrl", "ResourceSparseApplyFtrl",
+        "ResourceApplyFtrl",
+        "ResourceSparseApplyFtrl",
     ),
     "v1_ftrl_shrinkage": Spec(
         lambda lr: V1.FtrlOptimizer(lr, l1_regularization_strength=0.01, l2_shrinkage_regularization_strength=0.1),
-        "ResourceApplyFtrlV2", "ResourceSparseApplyFtrlV2",
+        "ResourceApplyFtrlV2",
+        "ResourceSparseApplyFtrlV2",
     ),
     # The dense steps of these two pass l1 and l2 uncast: float64 tensors for a
     # float64 variable (as plain TensorFlow needs).
@@ -378,13 +423,15 @@ OPTIMIZERS: Dict[str, Spec] = {
         lambda lr: V1.ProximalGradientDescentOptimizer(
             lr, l1_regularization_strength=tf.constant(0.01, F64), l2_regularization_strength=tf.constant(0.01, F64)
         ),
-        "ResourceApplyProximalGradientDescent", "ResourceSparseApplyProximalGradientDescent",
+        "ResourceApplyProximalGradientDescent",
+        "ResourceSparseApplyProximalGradientDescent",
     ),
     "v1_proximal_adagrad": Spec(
         lambda lr: V1.ProximalAdagradOptimizer(
             lr, l1_regularization_strength=tf.constant(0.01, F64), l2_regularization_strength=tf.constant(0.01, F64)
         ),
-        "ResourceApplyProximalAdagrad", "ResourceSparseApplyProximalAdagrad",
+        "ResourceApplyProximalAdagrad",
+        "ResourceSparseApplyProximalAdagrad",
     ),
     # tf_keras.optimizers.legacy
     "k2_sgd": Spec(lambda lr: K2.SGD(lambda: lr), "ResourceApplyGradientDescent"),
@@ -392,7 +439,8 @@ OPTIMIZERS: Dict[str, Spec] = {
         lambda lr: K2.SGD(lambda: lr, momentum=0.8), "ResourceApplyKerasMomentum", "ResourceSparseApplyKerasMomentum"
     ),
     "k2_sgd_nesterov": Spec(
-        lambda lr: K2.SGD(lambda: lr, momentum=0.8, nesterov=True), "ResourceApplyKerasMomentum",
+        lambda lr: K2.SGD(lambda: lr, momentum=0.8, nesterov=True),
+        "ResourceApplyKerasMomentum",
         "ResourceSparseApplyKerasMomentum",
     ),
     "k2_adam": Spec(lambda lr: K2.Adam(lambda: lr, epsilon=1e-3), "ResourceApplyAdam"),
@@ -405,20 +453,26 @@ OPTIMIZERS: Dict[str, Spec] = {
     # Without momentum, legacy RMSprop (and Nadam always) writes with assign ops.
     "k2_rmsprop": Spec(lambda lr: K2.RMSprop(lambda: lr, epsilon=1e-3), "AssignVariableOp", lr=0.05),
     "k2_rmsprop_momentum": Spec(
-        lambda lr: K2.RMSprop(lambda: lr, momentum=0.5, epsilon=1e-3), "ResourceApplyRMSProp", "ResourceSparseApplyRMSProp",
+        lambda lr: K2.RMSprop(lambda: lr, momentum=0.5, epsilon=1e-3),
+        "ResourceApplyRMSProp",
+        "ResourceSparseApplyRMSProp",
         lr=0.05,
     ),
     "k2_rmsprop_centered": Spec(
-        lambda lr: K2.RMSprop(lambda: lr, momentum=0.5, epsilon=1e-3, centered=True), "ResourceApplyCenteredRMSProp",
-        "ResourceSparseApplyCenteredRMSProp", lr=0.05,
+        lambda lr: K2.RMSprop(lambda: lr, momentum=0.5, epsilon=1e-3, centered=True),
+        "ResourceApplyCenteredRMSProp",
+        "ResourceSparseApplyCenteredRMSProp",
+        lr=0.05,
     ),
     "k2_ftrl": Spec(
         lambda lr: K2.Ftrl(lambda: lr, l1_regularization_strength=0.01, l2_regularization_strength=0.01),
-        "ResourceApplyFtrl", "ResourceSparseApplyFtrl",
+        "ResourceApplyFtrl",
+        "ResourceSparseApplyFtrl",
     ),
     "k2_ftrl_shrinkage": Spec(
         lambda lr: K2.Ftrl(lambda: lr, l1_regularization_strength=0.01, l2_shrinkage_regularization_strength=0.1),
-        "ResourceApplyFtrlV2", "ResourceSparseApplyFtrlV2",
+        "ResourceApplyFtrlV2",
+        "ResourceSparseApplyFtrlV2",
     ),
     "k2_nadam": Spec(lambda lr: K2.Nadam(lambda: lr, epsilon=1e-3), "AssignVariableOp"),
 }
@@ -532,8 +586,15 @@ def test_optimizer_sparse_embedding(name, mode):
 
 # Under XLA (every dense kernel but AdamWithAmsgrad compiles; the sparse ones
 # do not), a sample of the families: each kernel is also checked under XLA directly.
-XLA_OPTIMIZERS = ["k2_adadelta", "k2_adamax", "k2_sgd_nesterov", "v1_adagrad_da", "v1_ftrl_shrinkage",
-                  "v1_proximal_adagrad", "v1_rmsprop_centered"]
+XLA_OPTIMIZERS = [
+    "k2_adadelta",
+    "k2_adamax",
+    "k2_sgd_nesterov",
+    "v1_adagrad_da",
+    "v1_ftrl_shrinkage",
+    "v1_proximal_adagrad",
+    "v1_rmsprop_centered",
+]
 
 
 @pytest.mark.parametrize("name", XLA_OPTIMIZERS)
@@ -542,8 +603,6 @@ def test_optimizer_under_xla(name):
 
 
 # -- what the tape records ----------------------------------------------------------
-
-
 
 
 def _plain_momentum(var0: np.ndarray, accum0: np.ndarray, lr: float, steps: int = 2) -> float:
@@ -572,11 +631,14 @@ def test_slots_the_tape_never_read_get_versions_and_watched_ones_a_gradient():
     d_lr, d_var = tape.gradient(loss, [lr, var])
     eps = 1e-6
     np.testing.assert_allclose(
-        float(d_lr), (_plain_momentum(VAR0, ACCUM0, 0.1 + eps) - _plain_momentum(VAR0, ACCUM0, 0.1 - eps)) / (2 * eps),
+        float(d_lr),
+        (_plain_momentum(VAR0, ACCUM0, 0.1 + eps) - _plain_momentum(VAR0, ACCUM0, 0.1 - eps)) / (2 * eps),
         rtol=1e-6,
     )
     direction = np.array([0.3, -0.7, 0.2])
-    fd = (_plain_momentum(VAR0 + eps * direction, ACCUM0, 0.1) - _plain_momentum(VAR0 - eps * direction, ACCUM0, 0.1)) / (2 * eps)
+    fd = (
+        _plain_momentum(VAR0 + eps * direction, ACCUM0, 0.1) - _plain_momentum(VAR0 - eps * direction, ACCUM0, 0.1)
+    ) / (2 * eps)
     np.testing.assert_allclose(float(np.sum(d_var.numpy() * direction)), fd, rtol=1e-6)
 
     var, accum = tf.Variable(VAR0), tf.Variable(ACCUM0, trainable=False)
@@ -586,7 +648,9 @@ def test_slots_the_tape_never_read_get_versions_and_watched_ones_a_gradient():
             tf.raw_ops.ResourceApplyMomentum(var=var.handle, accum=accum.handle, lr=0.1, grad=tf.sin(var), momentum=0.9)
         loss = tf.reduce_sum(var**3) + tf.reduce_sum(accum**2)
     d_accum = tape.gradient(loss, accum)
-    fd = (_plain_momentum(VAR0, ACCUM0 + eps * direction, 0.1) - _plain_momentum(VAR0, ACCUM0 - eps * direction, 0.1)) / (2 * eps)
+    fd = (
+        _plain_momentum(VAR0, ACCUM0 + eps * direction, 0.1) - _plain_momentum(VAR0, ACCUM0 - eps * direction, 0.1)
+    ) / (2 * eps)
     np.testing.assert_allclose(float(np.sum(d_accum.numpy() * direction)), fd, rtol=1e-6)
 
 
@@ -599,8 +663,16 @@ def _plain_adam(lr: float) -> float:
 def _adam_step(var: Any, m: Any, v: Any, lr: Any, grad: Any) -> None:
     c = lambda x: tf.constant(x, F64)  # noqa: E731
     tf.raw_ops.ResourceApplyAdam(
-        var=var, m=m, v=v, beta1_power=c(0.81), beta2_power=c(0.9), lr=lr, beta1=c(0.9), beta2=c(0.95),
-        epsilon=c(0.01), grad=grad,
+        var=var,
+        m=m,
+        v=v,
+        beta1_power=c(0.81),
+        beta2_power=c(0.9),
+        lr=lr,
+        beta1=c(0.9),
+        beta2=c(0.95),
+        epsilon=c(0.01),
+        grad=grad,
     )
 
 
@@ -631,7 +703,10 @@ def test_duplicate_indices_are_refused_before_the_kernel_runs(mode):
         with AssignAwareTape():
             _ = var * 1.0
             tf.raw_ops.ResourceSparseApplyAdagrad(
-                var=var.handle, accum=accum.handle, lr=tf.constant(0.1, F64), grad=tf.ones([2, 2], F64),
+                var=var.handle,
+                accum=accum.handle,
+                lr=tf.constant(0.1, F64),
+                grad=tf.ones([2, 2], F64),
                 indices=tf.constant([1, 1]),
             )
 
@@ -689,7 +764,9 @@ def test_under_stop_recording_every_written_variable_gets_a_version_without_a_gr
     with AssignAwareTape() as tape:
         lr_t = lr * 1.0
         with tape.stop_recording():
-            tf.raw_ops.ResourceApplyMomentum(var=var.handle, accum=accum.handle, lr=lr_t, grad=tf.sin(var), momentum=0.9)
+            tf.raw_ops.ResourceApplyMomentum(
+                var=var.handle, accum=accum.handle, lr=lr_t, grad=tf.sin(var), momentum=0.9
+            )
         loss = tf.reduce_sum(var) + tf.reduce_sum(accum)
     history = tape.history()
     for name in ("var:0", "accum:0"):

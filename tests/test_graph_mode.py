@@ -274,6 +274,7 @@ def test_the_same_write_in_a_tf_function_is_followed() -> None:
     @tf.function
     def f() -> Any:
         with AssignAwareTape() as t:
+
             def branch() -> Any:
                 w.assign(w * x)
                 return tf.constant(1.0)

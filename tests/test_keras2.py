@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
+from oracle import central_difference
 
 from assigntape import AssignAwareTape
-from oracle import central_difference
 
 W0 = np.array([1.0, 2.0, -0.5])
 
@@ -75,7 +75,9 @@ def test_keras2_learning_rate_hypergradient(name):
     # The learning-rate variable of tf_keras is float32: a wider step.
     fd = central_difference(
         lambda p: float(_train(W0, OPTIMIZERS[name], tf.GradientTape, lr=tf.constant(float(p[0]), tf.float32))[1]),
-        [np.array(0.05)], [np.array(1.0)], eps=1e-3,
+        [np.array(0.05)],
+        [np.array(1.0)],
+        eps=1e-3,
     )
     np.testing.assert_allclose(float(d_lr), fd, rtol=2e-3)
 

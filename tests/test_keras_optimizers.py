@@ -14,9 +14,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import assert_grads_close, central_difference, modes, run
 
 from assigntape import AssignAwareTape
-from oracle import assert_grads_close, central_difference, modes, run
 
 DTYPE = "float64"
 STEPS = 2
@@ -46,16 +46,17 @@ def _mse(pred, y):
 
 def _initial_params():
     rng = np.random.default_rng(7)
-    return [rng.normal(size=(3, 4)) * 0.5, rng.normal(size=(4,)) * 0.1,
-            rng.normal(size=(4, 1)) * 0.5, np.zeros((1,))]
+    return [rng.normal(size=(3, 4)) * 0.5, rng.normal(size=(4,)) * 0.1, rng.normal(size=(4, 1)) * 0.5, np.zeros((1,))]
 
 
 def _keras_setup(name, lr0):
-    model = keras.Sequential([
-        keras.Input((3,), dtype=DTYPE),
-        keras.layers.Dense(4, activation="tanh", dtype=DTYPE),
-        keras.layers.Dense(1, dtype=DTYPE),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((3,), dtype=DTYPE),
+            keras.layers.Dense(4, activation="tanh", dtype=DTYPE),
+            keras.layers.Dense(1, dtype=DTYPE),
+        ]
+    )
     model.set_weights(_initial_params())
     lr_var = tf.Variable(lr0, dtype=DTYPE)
     opt = _make_optimizer(name, lr_var)
@@ -174,8 +175,9 @@ TARGETS = np.linspace(-1.0, 1.0, 3).reshape(3, 1)
 def _embedding_setup(name, lr0):
     emb = keras.layers.Embedding(6, 2, dtype=DTYPE)
     head = keras.layers.Dense(1, dtype=DTYPE)
-    model = keras.Sequential([keras.Input((3,), dtype="int32"), emb,
-                              keras.layers.GlobalAveragePooling1D(dtype=DTYPE), head])
+    model = keras.Sequential(
+        [keras.Input((3,), dtype="int32"), emb, keras.layers.GlobalAveragePooling1D(dtype=DTYPE), head]
+    )
     rng = np.random.default_rng(5)
     model.set_weights([rng.normal(size=(6, 2)), rng.normal(size=(2, 1)), np.zeros(1)])
     lr_var = tf.Variable(lr0, dtype=DTYPE)

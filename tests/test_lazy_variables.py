@@ -10,9 +10,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import modes, run
 
 from assigntape import AssignAwareTape
-from oracle import modes, run
 
 
 @modes

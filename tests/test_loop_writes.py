@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import assert_grads_close
 
 from assigntape import AssignAwareTape
-from oracle import assert_grads_close
 
 ZERO = tf.UnconnectedGradients.ZERO
 
@@ -74,6 +74,7 @@ def test_explicit_while_loop_with_loop_vars_and_a_cond_inside():
     def program(limit):
         v.assign(2.0)
         with AssignAwareTape() as tape:
+
             def body(i, acc):
                 if i % 2 == 0:  # a cond inside the loop body, writing
                     v.assign(v * a + 1.0)

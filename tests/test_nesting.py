@@ -8,9 +8,9 @@ from typing import Any, Dict
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import assert_grads_close, modes, run
 
 from assigntape import AssignAwareTape
-from oracle import assert_grads_close, modes, run
 
 
 def _rewrite_sum(a0, b0):
@@ -380,13 +380,19 @@ def _exited_inside_then_entered_again(case: str, between: str, again: str, cell:
     """
     f64 = tf.float64
     rewrite = not isinstance(cell["v"], tf.Variable)
-    read = lambda k: cell[k]
+
+    def read(k: str) -> Any:
+        return cell[k]
+
     if rewrite:
+
         def write(k: str, value: Any) -> None:
             cell[k] = value
     else:
+
         def write(k: str, value: Any) -> None:
             cell[k].assign(value)
+
         for k, value in _REENTRY_START.items():
             write(k, tf.constant(value, f64))
     aware = tf.GradientTape if rewrite else AssignAwareTape
@@ -423,7 +429,9 @@ def _exited_inside_then_entered_again(case: str, between: str, again: str, cell:
 @pytest.mark.parametrize("case", ["source", "target_chain", "written_while_closed"])
 @pytest.mark.parametrize("between", ["nothing", "a write"])
 @pytest.mark.parametrize("again", ["alone", "inside a new aware tape"])
-def test_a_plain_tape_exited_inside_an_aware_tape_goes_on_from_its_versions_when_entered_again(mode, case, between, again):
+def test_a_plain_tape_exited_inside_an_aware_tape_goes_on_from_its_versions_when_entered_again(
+    mode, case, between, again
+):
     """Found by adversarial reviews: P entered again after the AssignAwareTape
     closed (alone, or inside another) read the variables' own handles, so a
     source's gradient was None (``source``), a write's chain was lost
@@ -443,7 +451,9 @@ def test_a_plain_tape_exited_inside_an_aware_tape_goes_on_from_its_versions_when
 @modes
 @pytest.mark.parametrize("accumulator", ["tf.autodiff", "assigntape"])
 @pytest.mark.parametrize("between", ["nothing", "a write"])
-def test_an_accumulator_exited_inside_an_aware_tape_goes_on_from_its_versions_when_entered_again(mode, accumulator, between):
+def test_an_accumulator_exited_inside_an_aware_tape_goes_on_from_its_versions_when_entered_again(
+    mode, accumulator, between
+):
     """As for a plain tape: an accumulator that recorded v = v x inside an
     AssignAwareTape, entered again after it closed, reads that version, whose
     tangent it knows (found by an adversarial review: the jvp was None)."""
@@ -603,7 +613,9 @@ def test_two_plain_tapes_entered_again_inside_one_aware_tape_each_go_on_from_the
                 pass
             with second:
                 y = v * v
-        return [np.nan if g is None else g for g in (*second.gradient(y, [v, b]), first.gradient(y, v), new.gradient(y, v))]
+        return [
+            np.nan if g is None else g for g in (*second.gradient(y, [v, b]), first.gradient(y, v), new.gradient(y, v))
+        ]
 
     # The rewrite: v1 = v0 a = 6, v2 = v1 b = 30, y = v2^2. R's source v is
     # v at its entry, v1: dy/dv1 = 2 v2 b = 300, dy/db = 2 v2 v1 = 360. P:
@@ -732,7 +744,12 @@ def test_two_tapes_entered_again_nested_each_go_on_from_their_versions(mode, out
         return _two_tapes_entered_again_nested(outer, inner, written_after, tf.constant(3.0, f64), v)
 
     got = [float(g) for g in run(mode, program)]
-    expected = [float(g) for g in _two_tapes_entered_again_nested(outer, inner, written_after, tf.constant(3.0, f64), tf.constant(2.0, f64))]
+    expected = [
+        float(g)
+        for g in _two_tapes_entered_again_nested(
+            outer, inner, written_after, tf.constant(3.0, f64), tf.constant(2.0, f64)
+        )
+    ]
     np.testing.assert_allclose(got, expected, rtol=1e-12)
 
 
@@ -808,7 +825,9 @@ def test_a_plain_tape_entered_again_and_exited_before_any_read_keeps_its_version
 
 
 @modes
-@pytest.mark.parametrize("when", ["written while closed, asked inside", "written while closed, asked after", "written after its exit"])
+@pytest.mark.parametrize(
+    "when", ["written while closed, asked inside", "written while closed, asked after", "written after its exit"]
+)
 def test_a_variable_target_of_a_tape_entered_again_before_any_read(mode, when):
     """A persistent AssignAwareTape reads v (writes nothing); v is written
     outside every tape; the tape is entered again and reads only x. Its
@@ -1095,7 +1114,7 @@ def _second_order_through_a_read_under_both_stops(v: _Cell, outer: Any, x: Any) 
     rewrite = v.rewrite
     with outer:
         outer.watch(x)
-        with (tf.GradientTape() if rewrite else AssignAwareTape()) as inner:
+        with tf.GradientTape() if rewrite else AssignAwareTape() as inner:
             inner.watch(x)
             with inner.stop_recording():
                 v.assign(v.read() * -0.51 + x * 1.51)
@@ -1111,7 +1130,7 @@ def _three_tapes_middle_one_stopped(v: _Cell, outer: Any, x: Any) -> Any:
         outer.watch(x)
         with tf.GradientTape() as middle:
             middle.watch(x)
-            with (tf.GradientTape() if rewrite else AssignAwareTape()) as inner:
+            with tf.GradientTape() if rewrite else AssignAwareTape() as inner:
                 inner.watch(x)
                 v.assign(v.read() - (tf.sin(x) * -0.25 + v.read() * 0.25))
                 with middle.stop_recording():

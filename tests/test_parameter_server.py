@@ -7,7 +7,6 @@ The meta-gradients and the written weights equal the single-device step's."""
 from __future__ import annotations
 
 import numpy as np
-
 from helpers.parameter_server import LR, W0, X
 from test_distribute import _functional, _helper_output
 

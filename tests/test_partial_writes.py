@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import assert_grads_close, central_difference, modes, run
 
 from assigntape import AssignAwareTape, DuplicateIndicesError
-from oracle import assert_grads_close, central_difference, modes, run
 
 V0 = np.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.75], [0.3, 0.6, -0.9], [1.1, -0.2, 0.4]])
 U0 = np.array([[0.7, 1.3, -0.4], [2.0, -0.6, 0.9]])
@@ -283,8 +283,12 @@ def test_scalar_update_from_a_written_variable(mode, op, dtype):
 
     def rewrite(a0, v0):
         a1 = a0 * 2.0
-        combine = {"ResourceScatterMul": lambda r: r * a1, "ResourceScatterDiv": lambda r: r / a1,
-                   "ResourceScatterUpdate": lambda r: a1 + 0.0 * r, "ResourceScatterMax": lambda r: tf.maximum(r, a1)}[op]
+        combine = {
+            "ResourceScatterMul": lambda r: r * a1,
+            "ResourceScatterDiv": lambda r: r / a1,
+            "ResourceScatterUpdate": lambda r: a1 + 0.0 * r,
+            "ResourceScatterMax": lambda r: tf.maximum(r, a1),
+        }[op]
         v1 = tf.stack([combine(v0[0]), v0[1], v0[2]])
         return tf.reduce_sum(v1 * 1.0)
 

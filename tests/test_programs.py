@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from oracle import assert_grads_close, central_difference, to_numpy
 
 from assigntape import AssignAwareTape
 from assigntape.testing._interpreter import (
@@ -52,7 +53,6 @@ from assigntape.testing._interpreter import (
 from assigntape.testing._program import compare, tolerances
 from assigntape.testing._vocabulary import LAYERS, REAL
 from assigntape.testing.strategies import Program, programs
-from oracle import assert_grads_close, central_difference, to_numpy
 
 # The CI profile's budgets below; the thorough profile runs ten times as many.
 _SCALE = 10 if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else 1
@@ -153,7 +153,7 @@ def test_random_programs_with_writes_in_functions_cut(program):
 
 
 def _none_as_zeros(grads, like):
-    return [np.zeros(np.shape(l)) if g is None else to_numpy(g) for g, l in zip(grads, like)]
+    return [np.zeros(np.shape(ref)) if g is None else to_numpy(g) for g, ref in zip(grads, like)]
 
 
 @settings(max_examples=_n(25))
@@ -370,7 +370,11 @@ def test_random_programs_with_tape_events(program):
 # Reported (issue 36): a write in a tf.function, then the tape paused.
 @example(
     program=Program(
-        shapes=((),), dtypes=("float64",), n_params=2, seed=367, keras=(False,),
+        shapes=((),),
+        dtypes=("float64",),
+        n_params=2,
+        seed=367,
+        keras=(False,),
         statements=(
             ("fn_write", 0, "assign_add", ("param", 0, 2), ("var", 0, 1), "add", "square"),
             ("write", 0, "assign", ("var", 0, 5), ("param", 1, 0), "mul", "tanh"),
@@ -383,7 +387,11 @@ def test_random_programs_with_tape_events(program):
 # An inner tape of ours open when a tf.function writes.
 @example(
     program=Program(
-        shapes=((3,),), dtypes=("float32",), n_params=1, seed=5, keras=(False,),
+        shapes=((3,),),
+        dtypes=("float32",),
+        n_params=1,
+        seed=5,
+        keras=(False,),
         statements=(
             ("event", "inner", True),
             ("fn_write", 0, "assign", ("param", 0, 0), ("var", 0, 0), "mul", "sin"),

@@ -10,9 +10,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import assert_grads_close, modes, run
 
 from assigntape import AssignAwareTape
-from oracle import assert_grads_close, modes, run
 
 # (name, read of the variable, the same read of a tensor)
 READS = [
@@ -109,12 +109,15 @@ def _keras_cases():
     x_img = np.linspace(-1, 1, 2 * 5 * 5 * 2, dtype=np.float32).reshape(2, 5, 5, 2)
     ids = np.array([[0, 3], [2, 2]], np.int32)
     return [
-        ("dense", lambda: keras.layers.Dense(2), x_dense, "kernel",
-         lambda k, x: tf.matmul(x, k)),
-        ("embedding", lambda: keras.layers.Embedding(4, 3), ids, "embeddings",
-         lambda k, x: tf.gather(k, x)),
-        ("conv2d", lambda: keras.layers.Conv2D(3, 3, use_bias=False), x_img, "kernel",
-         lambda k, x: tf.nn.conv2d(x, k, strides=1, padding="VALID")),
+        ("dense", lambda: keras.layers.Dense(2), x_dense, "kernel", lambda k, x: tf.matmul(x, k)),
+        ("embedding", lambda: keras.layers.Embedding(4, 3), ids, "embeddings", lambda k, x: tf.gather(k, x)),
+        (
+            "conv2d",
+            lambda: keras.layers.Conv2D(3, 3, use_bias=False),
+            x_img,
+            "kernel",
+            lambda k, x: tf.nn.conv2d(x, k, strides=1, padding="VALID"),
+        ),
     ]
 
 

@@ -99,9 +99,27 @@ def test_main_command_runs_the_headline_example(tmp_path):
 
     root = pathlib.Path(__file__).resolve().parent.parent
     done = subprocess.run(
-        [sys.executable, "-m", "assigntape", "--iterations", "5", "--baseline-iterations", "5",
-         "--meta-batch", "2", "--eval-tasks", "8", "--quiet", "--plot", str(tmp_path / "m.png")],
-        cwd=root, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "assigntape",
+            "--iterations",
+            "5",
+            "--baseline-iterations",
+            "5",
+            "--meta-batch",
+            "2",
+            "--eval-tasks",
+            "8",
+            "--quiet",
+            "--plot",
+            str(tmp_path / "m.png"),
+        ],
+        cwd=root,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
+from oracle import modes, run
 
 from assigntape import AssignAwareTape
 from assigntape.examples import seed_cases
-from oracle import modes, run
 
 # Exact values from the hand-written chain rule (DESIGN.md).
 SUM_CASE_DB = 6.0

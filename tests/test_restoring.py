@@ -8,10 +8,10 @@ import doctest
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import modes, run
 
 import assigntape._tape
 from assigntape import AssignAwareTape, NotAVariableError
-from oracle import modes, run
 
 
 @modes

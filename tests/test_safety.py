@@ -14,10 +14,7 @@ from tensorflow.python.eager import tape as eager_tape
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops as rvo
 
-from assigntape import AssignAwareTape
-from assigntape import _versions
-
-from assigntape import _leases, _patches
+from assigntape import AssignAwareTape, _leases, _patches, _versions
 
 PATCHED = _patches.patched_places()
 
@@ -41,10 +38,9 @@ def test_the_write_ops_and_the_handle_are_among_the_patched_places():
 
 # Served only while a tape is open: the handle descriptor, and the short
 # paths of the eager reads, writes and conversions.
-SERVED = (
-    {(rvo.BaseResourceVariable, "_handle"), (ops, "convert_to_tensor")}
-    | {(rvo.ResourceVariable, name) for name in ("value", "assign", "assign_add", "assign_sub")}
-)
+SERVED = {(rvo.BaseResourceVariable, "_handle"), (ops, "convert_to_tensor")} | {
+    (rvo.ResourceVariable, name) for name in ("value", "assign", "assign_add", "assign_sub")
+}
 
 
 def _snapshot():
@@ -53,7 +49,9 @@ def _snapshot():
         return getattr(x, "__module__", "").startswith("assigntape") or type(x).__module__.startswith("assigntape")
 
     return {
-        (cls, name): "served" if (cls, name) in SERVED and ours(cls.__dict__.get(name)) else cls.__dict__.get(name, "<absent>")
+        (cls, name): "served"
+        if (cls, name) in SERVED and ours(cls.__dict__.get(name))
+        else cls.__dict__.get(name, "<absent>")
         for cls, name in PATCHED
     }
 
@@ -362,7 +360,7 @@ def test_a_kept_assign_result_is_plain_tensorflow_after_the_tape(later):
     with AssignAwareTape():
         kept = v.assign_add(1.0)  # v = 3
     assert kept.handle is v.__dict__["_handle"]
-    with (tf.GradientTape() if later == "plain-tape" else AssignAwareTape()) as tape:
+    with tf.GradientTape() if later == "plain-tape" else AssignAwareTape() as tape:
         y = v * x + kept * x
     # Plain TensorFlow: both read the same resource, dy/dv = 2x.
     assert float(y) == 18.0 and float(tape.gradient(y, v)) == 6.0
@@ -680,7 +678,7 @@ def test_uninstall_refuses_while_a_followed_plain_tape_is_open_and_removes_nothi
     entered, release, done = threading.Event(), threading.Event(), threading.Event()
 
     def hold_open() -> None:
-        with plain:
+        with plain:  # noqa: F821 (bound above; the del below comes after this thread is done)
             entered.set()
             release.wait(30)
         done.set()

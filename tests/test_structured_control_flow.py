@@ -18,9 +18,9 @@ from typing import Any, Callable, Dict, Tuple
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import assert_grads_close
 
 from assigntape import AssignAwareTape
-from oracle import assert_grads_close
 
 ZERO = tf.UnconnectedGradients.ZERO
 MODES = ("eager", "function", "xla")
@@ -87,7 +87,9 @@ def _loop(name: str) -> Callable[[Callable[[], Tuple[Any, Any]]], Callable[[], T
 def _() -> Tuple[Any, Any]:
     # The reported crash: TypeError rebuilding the namedtuple from a list.
     out = tf.while_loop(
-        lambda i, acc: i < N, lambda i, acc: State(i + 1, _step(acc)), State(tf.constant(0), _zero()),
+        lambda i, acc: i < N,
+        lambda i, acc: State(i + 1, _step(acc)),
+        State(tf.constant(0), _zero()),
         maximum_iterations=N,
     )
     return out.acc, out
@@ -96,8 +98,10 @@ def _() -> Tuple[Any, Any]:
 @_loop("dict_in_a_list")
 def _() -> Tuple[Any, Any]:
     out = tf.while_loop(
-        lambda d: d["i"] < N, lambda d: [{"i": d["i"] + 1, "acc": _step(d["acc"])}],
-        [{"i": tf.constant(0), "acc": _zero()}], maximum_iterations=N,
+        lambda d: d["i"] < N,
+        lambda d: [{"i": d["i"] + 1, "acc": _step(d["acc"])}],
+        [{"i": tf.constant(0), "acc": _zero()}],
+        maximum_iterations=N,
     )
     return out[0]["acc"], out
 
@@ -117,8 +121,10 @@ def _() -> Tuple[Any, Any]:
 @_loop("attrs")
 def _() -> Tuple[Any, Any]:
     out = tf.while_loop(
-        lambda s: s.i < N, lambda s: (AttrsState(s.i + 1, _step(s.acc)),),
-        (AttrsState(tf.constant(0), _zero()),), maximum_iterations=N,
+        lambda s: s.i < N,
+        lambda s: (AttrsState(s.i + 1, _step(s.acc)),),
+        (AttrsState(tf.constant(0), _zero()),),
+        maximum_iterations=N,
     )
     return out[0].acc, out
 
@@ -133,9 +139,7 @@ def _() -> Tuple[Any, Any]:
 @_loop("return_same_structure_false")
 def _() -> Tuple[Any, Any]:
     # tf.compat.v1.while_loop hands back a lone tensor bare.
-    out = tf.compat.v1.while_loop(
-        lambda acc: True, _step, [_zero()], maximum_iterations=N, return_same_structure=False
-    )
+    out = tf.compat.v1.while_loop(lambda acc: True, _step, [_zero()], maximum_iterations=N, return_same_structure=False)
     return out, out
 
 
@@ -170,8 +174,11 @@ def _() -> Tuple[Any, Any]:
         return State(i + 1, tf.concat([history, [_step(_zero())]], 0))
 
     out = tf.while_loop(
-        lambda i, history: i < N, body, State(tf.constant(0), tf.zeros([0])),
-        shape_invariants=State(tf.TensorShape([]), tf.TensorShape([None])), maximum_iterations=N,
+        lambda i, history: i < N,
+        body,
+        State(tf.constant(0), tf.zeros([0])),
+        shape_invariants=State(tf.TensorShape([]), tf.TensorShape([None])),
+        maximum_iterations=N,
     )
     return tf.reduce_sum(out.acc), out
 
@@ -209,7 +216,9 @@ def _loop_rewrite(name: str) -> Any:
 # Left out, as TensorFlow refuses them under any tape: shape invariants under
 # XLA (static shapes only), and a bare tensor from the body of an eager loop.
 LOOP_CASES = [
-    (name, mode) for name in sorted(LOOPS) for mode in MODES
+    (name, mode)
+    for name in sorted(LOOPS)
+    for mode in MODES
     if (mode, name) not in (("xla", "shape_invariants"), ("eager", "single_tensor"))
 ]
 
@@ -233,7 +242,8 @@ def test_a_body_that_breaks_the_structure_is_refused_as_tensorflow_refuses_it() 
         def f() -> Any:
             with tape_class():
                 return tf.while_loop(
-                    lambda d: d["i"] < N, lambda d: {"i": d["i"] + 1, "acc": _step(d["acc"])},
+                    lambda d: d["i"] < N,
+                    lambda d: {"i": d["i"] + 1, "acc": _step(d["acc"])},
                     [{"i": tf.constant(0), "acc": _zero()}],
                 )
 
@@ -318,17 +328,31 @@ def _cond_rewrite(name: str, taken: bool) -> Any:
             w = v0 * a0 + 0.1
             s = tf.reduce_sum(w * w)
             outs = {
-                "dict": [s, w[0] * a0, w[1]], "namedtuple": [s, w * 2.0], "nested": [s, w * a0, w[0]],
-                "attrs": [s, w * a0], "single_tensor": [s], "no_outputs": [], "empty_tuple": [],
-                "variable": [w], "variable_in_a_dict": [s, w], "one_writing_branch": [s],
+                "dict": [s, w[0] * a0, w[1]],
+                "namedtuple": [s, w * 2.0],
+                "nested": [s, w * a0, w[0]],
+                "attrs": [s, w * a0],
+                "single_tensor": [s],
+                "no_outputs": [],
+                "empty_tuple": [],
+                "variable": [w],
+                "variable_in_a_dict": [s, w],
+                "one_writing_branch": [s],
             }[name]
         else:
             w = v0 if name == "one_writing_branch" else v0 - a0
             s = tf.reduce_sum(w * w)
             outs = {
-                "dict": [s * 2.0, w[1], w[0]], "namedtuple": [s * a0, w + 1.0], "nested": [s + 1.0, w - a0, w[1] * a0],
-                "attrs": [s, w], "single_tensor": [s * a0], "no_outputs": [], "empty_tuple": [],
-                "variable": [w], "variable_in_a_dict": [s, w], "one_writing_branch": [s * a0],
+                "dict": [s * 2.0, w[1], w[0]],
+                "namedtuple": [s * a0, w + 1.0],
+                "nested": [s + 1.0, w - a0, w[1] * a0],
+                "attrs": [s, w],
+                "single_tensor": [s * a0],
+                "no_outputs": [],
+                "empty_tuple": [],
+                "variable": [w],
+                "variable_in_a_dict": [s, w],
+                "one_writing_branch": [s * a0],
             }[name]
         y = tf.add_n([tf.reduce_sum(t) for t in outs] + [tf.reduce_sum(w * w)])
     return y, tape.gradient(y, [v0, a0], unconnected_gradients=ZERO)

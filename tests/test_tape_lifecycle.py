@@ -14,9 +14,9 @@ import gc
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import modes, run
 
 from assigntape import AssignAwareTape
-from oracle import modes, run
 
 TAPES = [tf.GradientTape, AssignAwareTape]
 TAPE_IDS = ["plain", "aware"]

@@ -233,8 +233,10 @@ def test_a_plain_recorder_around_a_compiled_body_that_writes_is_refused(where, o
     if outer == "plain tape":
         outer_cls = tf.GradientTape
     else:
+
         def outer_cls() -> Any:
             return tf.autodiff.ForwardAccumulator(a, tf.constant(1.0, tf.float64))
+
     with pytest.raises(ControlFlowWriteError, match=r"variable 'body_v:0'.*AssignAwareTape") as info:
         tf.function(_refused_program)(where, outer_cls, v, a)
     assert isinstance(info.value, NotImplementedError)
@@ -291,7 +293,10 @@ class _NullTape:
 
 _DELTA = [0.3, -0.6]
 _FIRST_WRITES = {
-    "assign_add": (lambda v: v.assign_add(tf.constant(_DELTA, tf.float64)), lambda v0: v0 + tf.constant(_DELTA, tf.float64)),
+    "assign_add": (
+        lambda v: v.assign_add(tf.constant(_DELTA, tf.float64)),
+        lambda v0: v0 + tf.constant(_DELTA, tf.float64),
+    ),
     "scatter_nd_update": (
         lambda v: v.scatter_nd_update([[0]], tf.constant([0.3], tf.float64)),
         lambda v0: tf.tensor_scatter_nd_update(v0, [[0]], tf.constant([0.3], tf.float64)),

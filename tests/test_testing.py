@@ -41,7 +41,7 @@ def _two_writes():
     def fn():
         w.assign(w * 3.0)
         c.assign_add(tf.reduce_sum(w))
-        return tf.reduce_sum(w ** 2) + c
+        return tf.reduce_sum(w**2) + c
 
     return w, c, fn
 
@@ -80,7 +80,7 @@ def test_numerical_gradient_with_a_tf_function_that_writes():
 
     def fn():
         step()
-        return tf.reduce_sum(w ** 2)
+        return tf.reduce_sum(w**2)
 
     (g,) = numerical_gradient(fn, w)
     np.testing.assert_allclose(g, [18.0, -36.0], rtol=1e-7)
@@ -149,7 +149,7 @@ def test_numerical_gradient_restores_an_optimizer_step_and_its_counter():
 
     def fn():
         opt.apply_gradients([(2.0 * tf.convert_to_tensor(w), w)])  # w <- w - 0.1 * 2 w = 0.8 w
-        return tf.reduce_sum(w ** 2)
+        return tf.reduce_sum(w**2)
 
     (g,) = numerical_gradient(fn, [w])
     np.testing.assert_allclose(g, 2 * 0.64 * np.array([0.5, -1.0]), rtol=1e-6)  # d (0.8 w)^2 / dw
@@ -345,8 +345,19 @@ def test_check_gradients_none_against_a_tiny_but_real_gradient_fails():
         check_gradients(fn, [a])
 
 
-_SMOOTH_WRITES = ("assign", "assign_add", "assign_sub", "scatter_update", "scatter_add", "scatter_sub",
-                  "scatter_mul", "scatter_nd_update", "scatter_nd_add", "scatter_nd_sub", "slice")
+_SMOOTH_WRITES = (
+    "assign",
+    "assign_add",
+    "assign_sub",
+    "scatter_update",
+    "scatter_add",
+    "scatter_sub",
+    "scatter_mul",
+    "scatter_nd_update",
+    "scatter_nd_add",
+    "scatter_nd_sub",
+    "slice",
+)
 
 
 def _generated_check(program):
@@ -437,8 +448,13 @@ def test_importing_assigntape_testing_does_not_import_hypothesis():
         "import sys, assigntape.testing as t; assert 'hypothesis' not in sys.modules; "
         "assert 'pytest' not in sys.modules; print(sorted(t.__all__))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "['check_gradients', 'numerical_gradient']"
 
@@ -464,8 +480,15 @@ def test_strategy_options_bound_the_programs():
     from assigntape.testing.strategies import programs
 
     @settings(max_examples=30)
-    @given(programs(max_variables=2, max_steps=3, dtypes=("float64",), writes=("assign_add", "scatter_min"),
-                    keras_variables=False))
+    @given(
+        programs(
+            max_variables=2,
+            max_steps=3,
+            dtypes=("float64",),
+            writes=("assign_add", "scatter_min"),
+            keras_variables=False,
+        )
+    )
     def check(program):
         assert 1 <= len(program.shapes) <= 2
         assert set(program.dtypes) == {"float64"} and not any(program.keras)
@@ -489,10 +512,18 @@ def test_strategy_options_bound_the_programs():
     no_xla_missing()
 
 
-@pytest.mark.parametrize("options", [
-    dict(max_variables=0), dict(max_steps=1000), dict(dtypes=("int32",)), dict(writes=("scatter_pow",)),
-    dict(compiled="jit"), dict(compiled=True, events=True), dict(writes=()),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(max_variables=0),
+        dict(max_steps=1000),
+        dict(dtypes=("int32",)),
+        dict(writes=("scatter_pow",)),
+        dict(compiled="jit"),
+        dict(compiled=True, events=True),
+        dict(writes=()),
+    ],
+)
 def test_strategy_options_are_checked(options):
     from assigntape.testing.strategies import programs
 
@@ -504,7 +535,10 @@ def _fixed_program():
     from assigntape.testing.strategies import Program
 
     return Program(
-        shapes=((3,), ()), dtypes=("float64", "float32"), n_params=1, seed=3,
+        shapes=((3,), ()),
+        dtypes=("float64", "float32"),
+        n_params=1,
+        seed=3,
         statements=(
             ("write", 1, "assign_add", ("var", 0, 2), ("param", 0, 0), "mul", "tanh"),
             ("partial", 0, "scatter_add", (0, 2), ("var", 1, 0), ("param", 0, 1), "add", "sin", "scalar"),
@@ -553,8 +587,13 @@ def test_program_check_fails_on_a_none_mismatch(monkeypatch):
 def test_program_with_events_runs_eagerly_only():
     from assigntape.testing.strategies import Program
 
-    program = Program(shapes=((),), dtypes=("float64",), n_params=0, seed=1,
-                      statements=(("event", "pause", False), ("write_const", 0, "assign")))
+    program = Program(
+        shapes=((),),
+        dtypes=("float64",),
+        n_params=0,
+        seed=1,
+        statements=(("event", "pause", False), ("write_const", 0, "assign")),
+    )
     program.check()  # the pause is closed before the loss
     with pytest.raises(ValueError, match="eagerly"):
         program.check(compiled=True)
@@ -562,7 +601,7 @@ def test_program_with_events_runs_eagerly_only():
 
 # -- the pytest plugin ----------------------------------------------------------------
 
-_SWAP_SUITE = '''
+_SWAP_SUITE = """
 import tensorflow as tf
 from tensorflow.python.eager import backprop
 from assigntape import AssignAwareTape
@@ -588,13 +627,19 @@ def test_a_second_tape_and_a_compat_tape():
         v.assign(v * 3.0)
         y = v * v
     assert float(tape.gradient(y, v)) == 36.0  # d (3 v)^2 / dv = 18 v
-'''
+"""
 
 
 def _pytest(args, cwd):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def test_swap_tape_plugin_runs_a_suite_with_the_tape_swapped(tmp_path):
@@ -612,10 +657,9 @@ def test_swap_tape_plugin_runs_a_suite_with_the_tape_swapped(tmp_path):
 def test_swap_tape_install_and_uninstall_in_process():
     from tensorflow.python.eager import backprop
 
+    import assigntape
     from assigntape import _patches
     from assigntape.testing import swap_tape
-
-    import assigntape
 
     original = backprop.GradientTape
     assigntape.uninstall()  # so that the first tape below installs the patches while swapped
@@ -649,7 +693,7 @@ def test_swap_tape_runs_the_conformance_suite():
     assert count > 0
 
 
-_TF_KERAS_SUITE = '''
+_TF_KERAS_SUITE = """
 import tensorflow as tf
 import tf_keras  # imported during the session: its modules take the swapped class by name
 from assigntape import AssignAwareTape
@@ -658,9 +702,9 @@ from assigntape import AssignAwareTape
 def test_swapped_for_tf_keras_too():
     assert issubclass(tf.compat.v1.GradientTape, AssignAwareTape)
     assert issubclass(tf.compat.v2.GradientTape, AssignAwareTape)
-'''
+"""
 
-_AFTER_PYTEST_MAIN = r'''
+_AFTER_PYTEST_MAIN = r"""
 import sys
 import numpy as np
 import pytest
@@ -685,13 +729,14 @@ model.compile(optimizer="sgd", loss="mse")
 model.fit(np.ones((4, 2)), np.ones((4, 1)), epochs=1, verbose=0)
 assert swap_tape.swapped_count() == before, (before, swap_tape.swapped_count())
 print("RESTORED")
-'''
+"""
 
 
 def _python(script, args, cwd):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-c", script, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-c", script, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+    )
 
 
 def test_swap_tape_puts_back_every_alias_after_pytest_main_in_process(tmp_path):
@@ -705,9 +750,9 @@ def test_swap_tape_puts_back_every_alias_after_pytest_main_in_process(tmp_path):
 
 
 def test_swap_tape_uninstall_puts_back_aliases_made_while_swapped():
-    from assigntape.testing import swap_tape
-
     import types
+
+    from assigntape.testing import swap_tape
 
     late = types.ModuleType("assigntape_test_late_module")
     sys.modules[late.__name__] = late
@@ -722,7 +767,7 @@ def test_swap_tape_uninstall_puts_back_aliases_made_while_swapped():
     assert late.GradientTape is swap_tape._ORIGINAL and late.Tape is swap_tape._ORIGINAL
 
 
-_COMPILED_BATCH_NORM_SUITE = '''
+_COMPILED_BATCH_NORM_SUITE = """
 import numpy as np
 import keras
 import tensorflow as tf
@@ -744,7 +789,7 @@ def test_an_eager_tape_around_a_compiled_batch_norm_model():
     got = tape.gradient(loss, weights)
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-6)
-'''
+"""
 
 
 def test_swap_tape_untracked_writes_option(tmp_path):

@@ -46,5 +46,7 @@ def test_a_missing_internal_is_one_clear_import_error(monkeypatch):
         pass
 
     monkeypatch.setattr(_tf, "PRIVATE", [*_tf.PRIVATE, (Moved, "_gone", "a test")])
-    with pytest.raises(ImportError, match=r"supports TensorFlow 2\.16 to 2\.21; TensorFlow 2\.\d+\.\d+ lacks Moved\._gone"):
+    with pytest.raises(
+        ImportError, match=r"supports TensorFlow 2\.16 to 2\.21; TensorFlow 2\.\d+\.\d+ lacks Moved\._gone"
+    ):
         _tf._check()

@@ -11,11 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
-
-from assigntape import _patches
-from assigntape import AssignAwareTape, UntrackedWriteError, uninstall
 from helpers.rules import rules_removed
 from oracle import modes, run
+
+from assigntape import AssignAwareTape, UntrackedWriteError, _patches, uninstall
 
 
 def _fused_sgd(v, g):
@@ -26,8 +25,16 @@ def _fused_adam(v, g):
     m, s = tf.Variable(tf.zeros_like(v)), tf.Variable(tf.zeros_like(v))
     one = tf.constant(1.0)
     tf.raw_ops.ResourceApplyAdam(
-        var=v.handle, m=m.handle, v=s.handle, beta1_power=one * 0.9, beta2_power=one * 0.999,
-        lr=one * 0.01, beta1=one * 0.9, beta2=one * 0.999, epsilon=one * 1e-7, grad=g,
+        var=v.handle,
+        m=m.handle,
+        v=s.handle,
+        beta1_power=one * 0.9,
+        beta2_power=one * 0.999,
+        lr=one * 0.01,
+        beta1=one * 0.9,
+        beta2=one * 0.999,
+        epsilon=one * 1e-7,
+        grad=g,
     )
 
 
@@ -59,7 +66,10 @@ UNTRACKED = {
     "ResourceSparseApplyAdagrad": _sparse_fused,
 }
 RULELESS = (
-    "ResourceApplyGradientDescent", "ResourceApplyAdam", "ResourceApplyKerasMomentum", "ResourceSparseApplyAdagrad",
+    "ResourceApplyGradientDescent",
+    "ResourceApplyAdam",
+    "ResourceApplyKerasMomentum",
+    "ResourceSparseApplyAdagrad",
 )
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import assert_grads_close, modes, run
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops as rvo
 
 from assigntape import AssignAwareTape
-from oracle import assert_grads_close, modes, run
 
 WRITES = ["assign", "assign_add", "assign_sub"]
 VALUES = {
@@ -90,8 +90,14 @@ def test_a_conversion_returns_and_raises_as_tensorflows(conversion):
 _K = [100.0, 200.0]
 OVERRIDES = {
     # (on the variable, undone after)
-    "instance _dense_var_to_tensor": lambda v: (setattr(v, "_dense_var_to_tensor", lambda dtype=None, name=None, as_ref=False: tf.constant(_K)), None),
-    "instance __tf_tensor__": lambda v: (setattr(v, "__tf_tensor__", lambda dtype=None, name=None: tf.constant(_K)), None),
+    "instance _dense_var_to_tensor": lambda v: (
+        setattr(v, "_dense_var_to_tensor", lambda dtype=None, name=None, as_ref=False: tf.constant(_K)),
+        None,
+    ),
+    "instance __tf_tensor__": lambda v: (
+        setattr(v, "__tf_tensor__", lambda dtype=None, name=None: tf.constant(_K)),
+        None,
+    ),
     "class __tf_tensor__": lambda v: (
         setattr(rvo.BaseResourceVariable, "__tf_tensor__", lambda self, dtype=None, name=None: tf.constant(_K)),
         lambda: delattr(rvo.BaseResourceVariable, "__tf_tensor__"),
@@ -140,7 +146,9 @@ def test_a_conversion_error_in_a_function_reads_as_tensorflows():
     ours, plain = message(AssignAwareTape), message(tf.GradientTape)
     own = [line for line in ours.splitlines() if "_short_paths.py" in line]
     assert all(line.endswith("  **") for line in own), own  # called as it is, not converted ("  *")
-    ours_lines = [line for line in ours.splitlines() if "_short_paths.py" not in line and "return original(" not in line]
+    ours_lines = [
+        line for line in ours.splitlines() if "_short_paths.py" not in line and "return original(" not in line
+    ]
     assert ours_lines == plain.splitlines()
 
 
@@ -206,7 +214,7 @@ def test_a_failed_write_raises_as_tensorflow_and_changes_nothing(method, value):
     v, a = tf.Variable([1.0, 2.0]), tf.Variable(3.0)
     with AssignAwareTape() as tape:
         v.assign(a * v)
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 (whichever TensorFlow raises: compared with a plain tape's above)
             getattr(v, method)(value())
         loss = tf.reduce_sum(v * v)
     assert float(tape.gradient(loss, a)) == pytest.approx(2 * 3.0 * (1.0 + 4.0))
@@ -303,7 +311,12 @@ def _both_ways(tape, target, sources):
 @pytest.mark.parametrize(
     "case",
     [
-        "no write", "writes", "outer tape wrote first", "persistent tape re-entered", "reset", "read before a write",
+        "no write",
+        "writes",
+        "outer tape wrote first",
+        "persistent tape re-entered",
+        "reset",
+        "read before a write",
         "another tape's version adopted",
     ],
 )

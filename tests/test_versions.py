@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import assert_grads_close, modes, run
 
 from assigntape import AssignAwareTape, NotAVariableError
-from oracle import assert_grads_close, modes, run
 
 
 def _program(v, a, read):

@@ -20,10 +20,9 @@ from typing import Any, Callable, List
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import modes, run
 
 from assigntape import AssignAwareTape
-
-from oracle import modes, run
 
 
 def _names(tape: Any) -> List[str]:

@@ -22,10 +22,10 @@ from typing import Any, Callable, Dict, List
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers.wrapped_variables_two_devices import EXPECTED, W0, X0, program
+from tensorflow.python.ops import resource_variable_ops
 
 from assigntape import AssignAwareTape, NotAVariableError
-from tensorflow.python.ops import resource_variable_ops
-from helpers.wrapped_variables_two_devices import EXPECTED, W0, X0, program
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -101,8 +101,11 @@ def test_plain_inner_tape_asked_while_the_outer_is_open(name):
             y = y1 + w * w
         d_w, d_x = inner.gradient(y, [w, x])
         d_target = inner.gradient(w, x)
-    np.testing.assert_allclose([float(d_w), float(d_x), float(d_target)],
-                               [EXPECTED["in_source_w"], EXPECTED["in_source_x"], EXPECTED["in_target_x"]], rtol=1e-6)
+    np.testing.assert_allclose(
+        [float(d_w), float(d_x), float(d_target)],
+        [EXPECTED["in_source_w"], EXPECTED["in_source_x"], EXPECTED["in_target_x"]],
+        rtol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(WRAPPERS))
@@ -143,7 +146,11 @@ def test_aggregating_variables_on_two_devices():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     done = subprocess.run(
         [sys.executable, "-m", "helpers.wrapped_variables_two_devices"],
-        cwd=ROOT / "tests", env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT / "tests",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])

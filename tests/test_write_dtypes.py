@@ -46,23 +46,36 @@ def _ops() -> Dict[str, Tuple[Callable[..., Any], int]]:
         "AssignAddVariableOp": (lambda v, s, x: raw.AssignAddVariableOp(resource=v.handle, value=x), 3),
         "assign_sub_variable_op": (lambda v, s, x: grv.assign_sub_variable_op(v.handle, x), 3),
         "ResourceStridedSliceAssign": (
-            lambda v, s, x: raw.ResourceStridedSliceAssign(ref=v.handle, begin=[0], end=[2], strides=[1], value=x), 2,
+            lambda v, s, x: raw.ResourceStridedSliceAssign(ref=v.handle, begin=[0], end=[2], strides=[1], value=x),
+            2,
         ),
-        "ResourceScatterUpdate": (lambda v, s, x: raw.ResourceScatterUpdate(resource=v.handle, indices=[0, 2], updates=x), 2),
+        "ResourceScatterUpdate": (
+            lambda v, s, x: raw.ResourceScatterUpdate(resource=v.handle, indices=[0, 2], updates=x),
+            2,
+        ),
         "ResourceScatterAdd": (lambda v, s, x: raw.ResourceScatterAdd(resource=v.handle, indices=[0, 2], updates=x), 2),
         "ResourceScatterMax": (lambda v, s, x: raw.ResourceScatterMax(resource=v.handle, indices=[0, 2], updates=x), 2),
         "ResourceScatterNdUpdate": (
-            lambda v, s, x: raw.ResourceScatterNdUpdate(ref=v.handle, indices=[[0], [2]], updates=x), 2,
+            lambda v, s, x: raw.ResourceScatterNdUpdate(ref=v.handle, indices=[[0], [2]], updates=x),
+            2,
         ),
-        "ResourceScatterNdAdd": (lambda v, s, x: raw.ResourceScatterNdAdd(ref=v.handle, indices=[[0], [2]], updates=x), 2),
+        "ResourceScatterNdAdd": (
+            lambda v, s, x: raw.ResourceScatterNdAdd(ref=v.handle, indices=[[0], [2]], updates=x),
+            2,
+        ),
         "ResourceApplyGradientDescent": (
-            lambda v, s, x: raw.ResourceApplyGradientDescent(var=v.handle, alpha=0.1, delta=x), 3,
+            lambda v, s, x: raw.ResourceApplyGradientDescent(var=v.handle, alpha=0.1, delta=x),
+            3,
         ),
         "ResourceApplyMomentum": (
-            lambda v, s, x: raw.ResourceApplyMomentum(var=v.handle, accum=s.handle, lr=0.1, grad=x, momentum=0.9), 3,
+            lambda v, s, x: raw.ResourceApplyMomentum(var=v.handle, accum=s.handle, lr=0.1, grad=x, momentum=0.9),
+            3,
         ),
         "ResourceSparseApplyAdagrad": (
-            lambda v, s, x: raw.ResourceSparseApplyAdagrad(var=v.handle, accum=s.handle, lr=0.1, grad=x, indices=[0, 2]), 2,
+            lambda v, s, x: raw.ResourceSparseApplyAdagrad(
+                var=v.handle, accum=s.handle, lr=0.1, grad=x, indices=[0, 2]
+            ),
+            2,
         ),
     }
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import assert_grads_close, modes, run
 
 from assigntape import AssignAwareTape
-from oracle import assert_grads_close, modes, run
 
 
 @modes
@@ -149,8 +149,11 @@ def test_other_differentiable_dtypes(mode, dtype):
 @modes
 @pytest.mark.parametrize("module", ["raw_ops", "compat.v1.raw_ops", "compat.v2.raw_ops"])
 def test_raw_op_writes_through_every_raw_ops_module(mode, module):
-    ops_module = {"raw_ops": tf.raw_ops, "compat.v1.raw_ops": tf.compat.v1.raw_ops,
-                  "compat.v2.raw_ops": tf.compat.v2.raw_ops}[module]
+    ops_module = {
+        "raw_ops": tf.raw_ops,
+        "compat.v1.raw_ops": tf.compat.v1.raw_ops,
+        "compat.v2.raw_ops": tf.compat.v2.raw_ops,
+    }[module]
     x, c = tf.Variable(2.0), tf.Variable(0.0)
 
     def program():

@@ -21,8 +21,7 @@ from tensorflow.core.framework import op_def_pb2, types_pb2
 from tensorflow.python.client import pywrap_tf_session
 from tensorflow.python.ops import gen_stateful_random_ops, gen_tpu_ops
 
-from assigntape import AssignAwareTape, UntrackedWriteError
-from assigntape import _functions, _patches, _rules, _writes
+from assigntape import AssignAwareTape, UntrackedWriteError, _functions, _patches, _rules, _writes
 
 
 def _registry() -> Dict[str, op_def_pb2.OpDef]:
@@ -47,10 +46,7 @@ REFUSED = sorted(name for name in REGISTRY if _rules.refused(name))
 
 
 def _unclassified(names: Iterable[str]) -> List[str]:
-    return [
-        name for name in names
-        if name not in _rules.RULES and not _rules.refused(name) and name not in NOT_WRITES
-    ]
+    return [name for name in names if name not in _rules.RULES and not _rules.refused(name) and name not in NOT_WRITES]
 
 
 # -- the registry ----------------------------------------------------------------
@@ -59,9 +55,7 @@ def _unclassified(names: Iterable[str]) -> List[str]:
 def test_the_registry_is_enumerated():
     # Guards the tests below against passing on an empty or partial registry.
     assert len(REGISTRY) > 1000
-    assert {"AssignVariableOp", "ReadVariableOp", "ResourceApplyAdam", "AssignVariableXlaConcatND"} <= set(
-        RESOURCE_OPS
-    )
+    assert {"AssignVariableOp", "ReadVariableOp", "ResourceApplyAdam", "AssignVariableXlaConcatND"} <= set(RESOURCE_OPS)
     assert len(RESOURCE_OPS) > 150
 
 

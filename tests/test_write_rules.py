@@ -17,9 +17,9 @@ from typing import Any, Callable, Dict, Tuple
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import assert_grads_close, modes, run
 
 from assigntape import AssignAwareTape
-from oracle import assert_grads_close, modes, run
 
 ROWS = [2, 0]
 IDX = [[2], [0]]
@@ -180,8 +180,7 @@ SECOND_ORDER = [(n, tf.float64) for n in sorted(WRITES)] + [(n, tf.complex128) f
 @modes
 @pytest.mark.parametrize("name,dtype", SECOND_ORDER, ids=[f"{n}-{d.name}" for n, d in SECOND_ORDER])
 def test_second_order_through_every_rule(mode, name, dtype):
-    assert_grads_close(_second_order_tape(mode, name, dtype), _second_order_rewrite(name, dtype),
-                       rtol=1e-9, atol=1e-10)
+    assert_grads_close(_second_order_tape(mode, name, dtype), _second_order_rewrite(name, dtype), rtol=1e-9, atol=1e-10)
 
 
 @modes

@@ -23,9 +23,9 @@ from typing import Any, Callable, Dict, Iterator, List
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import assert_grads_close
 
 from assigntape import AssignAwareTape, DuplicateIndicesError
-from oracle import assert_grads_close
 
 ZERO = tf.UnconnectedGradients.ZERO
 MODES = ("eager", "function", "xla")
@@ -97,7 +97,11 @@ def _cond_in_cond(
 
 
 def _cond_in_loop(
-    read: Callable[[Any], Any], e: Callable[[], Any], a: Any, write: Write, cond: Any = tf.cond,
+    read: Callable[[Any], Any],
+    e: Callable[[], Any],
+    a: Any,
+    write: Write,
+    cond: Any = tf.cond,
     while_loop: Any = tf.while_loop,
 ) -> Any:
     """A loop body writes (the variable is carried), then a cond in it writes
@@ -384,8 +388,12 @@ def _scatter_rewrite(kind: str, idx: List[int], written: Any) -> Any:
         tape.watch([v0, u0])
         rows, nd = tf.gather(v0, idx), [[i] for i in idx]
         combined = {
-            "scatter_update": u0, "scatter_nd_update": u0, "scatter_mul": rows * u0, "scatter_div": rows / u0,
-            "scatter_max": tf.maximum(rows, u0), "scatter_min": tf.minimum(rows, u0),
+            "scatter_update": u0,
+            "scatter_nd_update": u0,
+            "scatter_mul": rows * u0,
+            "scatter_div": rows / u0,
+            "scatter_max": tf.maximum(rows, u0),
+            "scatter_min": tf.minimum(rows, u0),
         }[kind]
         if len(set(idx)) < len(idx):
             repeated = [i for i in idx if idx.count(i) > 1]
@@ -492,9 +500,18 @@ def test_a_differentiated_graph_loop_in_a_branch_does_not_compile_in_tensorflow_
 # under XLA), as the sparse path of the legacy Adam family deduplicates them:
 # the write, and its rewrite on tensors.
 UNIQUE_SCATTERS: Dict[str, Any] = {
-    "add": (lambda v, u, x: v.scatter_add(tf.IndexedSlices(x, u)), lambda t, u, x: tf.tensor_scatter_nd_add(t, u[:, None], x)),
-    "sub": (lambda v, u, x: v.scatter_sub(tf.IndexedSlices(x, u)), lambda t, u, x: tf.tensor_scatter_nd_sub(t, u[:, None], x)),
-    "nd_add": (lambda v, u, x: v.scatter_nd_add(u[:, None], x), lambda t, u, x: tf.tensor_scatter_nd_add(t, u[:, None], x)),
+    "add": (
+        lambda v, u, x: v.scatter_add(tf.IndexedSlices(x, u)),
+        lambda t, u, x: tf.tensor_scatter_nd_add(t, u[:, None], x),
+    ),
+    "sub": (
+        lambda v, u, x: v.scatter_sub(tf.IndexedSlices(x, u)),
+        lambda t, u, x: tf.tensor_scatter_nd_sub(t, u[:, None], x),
+    ),
+    "nd_add": (
+        lambda v, u, x: v.scatter_nd_add(u[:, None], x),
+        lambda t, u, x: tf.tensor_scatter_nd_add(t, u[:, None], x),
+    ),
 }
 
 
@@ -581,4 +598,6 @@ def test_legacy_adam_sparse_step_under_xla() -> None:
 
     d_lr, d_table = step()
     np.testing.assert_allclose(float(d_lr), -27.92, rtol=1e-4)
-    np.testing.assert_allclose(tf.convert_to_tensor(d_table).numpy(), [[1.98, 3.98], [6.0, 8.0], [9.98, 11.98]], rtol=1e-4)
+    np.testing.assert_allclose(
+        tf.convert_to_tensor(d_table).numpy(), [[1.98, 3.98], [6.0, 8.0], [9.98, 11.98]], rtol=1e-4
+    )

@@ -37,7 +37,9 @@ def footer(results: Dict[str, Any]) -> List[str]:
     return lines
 
 
-def run_and_print(run: Callable[[Any], Dict[str, Any]], report: Callable[[Dict[str, Any]], str], config: Any) -> Dict[str, Any]:
+def run_and_print(
+    run: Callable[[Any], Dict[str, Any]], report: Callable[[Dict[str, Any]], str], config: Any
+) -> Dict[str, Any]:
     """Runs an example's configuration and prints its report."""
     results = run(config)
     print()

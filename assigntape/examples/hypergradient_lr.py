@@ -217,7 +217,9 @@ def _fit(config: Config, lr0: float, strategy: Any, batches: Tuple[np.ndarray, n
         trainer = HypergradientTrainer(_model(config.seed), lr0, config)
         trainer.compile(run_eagerly=not config.compiled, jit_compile=False)
     rates: List[float] = []
-    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: rates.append(float(trainer.lr.numpy())))
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: rates.append(float(trainer.lr.numpy()))
+    )
     x, y = batches
     trainer.fit(x, y, batch_size=config.batch, epochs=1, shuffle=False, verbose=0, callbacks=[record])
     return rates
@@ -294,7 +296,7 @@ def run(config: Config) -> Dict[str, Any]:
             rng = np.random.default_rng(config.seed + 1)  # the same batches for every run
             previous = [tf.zeros_like(w) for w in r.model.trainable_variables]
             losses, rates = [], []
-            for i in range(config.steps):
+            for _ in range(config.steps):
                 idx = rng.integers(0, len(x_all), config.batch)
                 loss, previous = r.step(previous, tf.constant(x_all[idx]), tf.constant(y_all[idx]))
                 losses.append(float(loss))
@@ -326,8 +328,12 @@ def _plot(results: Dict[str, Any]) -> Optional[str]:
         style = "-" if label.startswith("SGD-HD") else ":"
         losses.plot(_smooth(r["loss"]), style, color=color, label=label)
         rates.plot(r["lr"], style, color=color, label=label)
-    losses.set(yscale="log", xlabel="step", ylabel="training loss (moving mean of 25)",
-               title="Loss: dotted plain SGD, solid SGD-HD")
+    losses.set(
+        yscale="log",
+        xlabel="step",
+        ylabel="training loss (moving mean of 25)",
+        title="Loss: dotted plain SGD, solid SGD-HD",
+    )
     rates.set(yscale="log", xlabel="step", ylabel="learning rate", title="Learning rate")
     rates.legend(fontsize=7)
     return _report.save(fig, results["config"]["plot"])
@@ -343,7 +349,9 @@ def report(results: Dict[str, Any]) -> str:
         "-" * len(header),
     ]
     for label, r in results["runs"].items():
-        lines.append(f"{label:<40}{_report.number(float(np.mean(r['loss'][-tail:])), '.4f', 12)}{_report.number(r['lr'][-1], '.4f', 12)}")
+        lines.append(
+            f"{label:<40}{_report.number(float(np.mean(r['loss'][-tail:])), '.4f', 12)}{_report.number(r['lr'][-1], '.4f', 12)}"
+        )
     lines.append(f"{config['rule']} rule, beta = {config['beta']}, {config['hypergradient']}-mode hypergradient")
     return "\n".join(lines + _report.footer(results))
 
@@ -355,11 +363,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--beta", type=float, default=defaults.beta)
     parser.add_argument("--rule", choices=["multiplicative", "additive"], default=defaults.rule)
     parser.add_argument(
-        "--hypergradient", choices=["reverse", "forward"], default=defaults.hypergradient,
+        "--hypergradient",
+        choices=["reverse", "forward"],
+        default=defaults.hypergradient,
         help="reverse: AssignAwareTape.gradient; forward: assigntape.ForwardAccumulator",
     )
     parser.add_argument(
-        "--strategy", choices=["none", "mirrored"], default=defaults.strategy,
+        "--strategy",
+        choices=["none", "mirrored"],
+        default=defaults.strategy,
         help="mirrored: fit under MirroredStrategy on two logical CPUs, against one device",
     )
     args = parser.parse_args(argv)

@@ -214,8 +214,11 @@ def _forward(params: Sequence[Any], x: Any) -> Any:
 
 
 @tf.function
-def _adapt(params: List[Any], step_sizes: List[Any], xs: Any, ys: Any, xq: Any, yq: Any, steps: int) -> Tuple[Any, List[Any]]:
+def _adapt(
+    params: List[Any], step_sizes: List[Any], xs: Any, ys: Any, xq: Any, yq: Any, steps: int
+) -> Tuple[Any, List[Any]]:
     """Per-step mean query MSE (steps + 1 values) and the adapted params."""
+
     def query_mse(params: List[Any]) -> Any:
         return tf.reduce_mean(tf.square(_forward(params, xq) - yq))
 
@@ -314,8 +317,11 @@ def _plot(results: Dict[str, Any], held_out: Tuple[np.ndarray, ...], config: Con
     fig, (curves, fit) = plt.subplots(1, 2, figsize=(11, 4))
     for name, method in results["methods"].items():
         curves.plot(range(len(method["curve"])), method["curve"], marker="o", label=name)
-    curves.set(xlabel=f"adaptation steps on K = {config.shots} points", yscale="log",
-               ylabel=f"mean squared error, {config.eval_tasks} held-out tasks")
+    curves.set(
+        xlabel=f"adaptation steps on K = {config.shots} points",
+        yscale="log",
+        ylabel=f"mean squared error, {config.eval_tasks} held-out tasks",
+    )
     # Meta-SGD's step sizes are learned for one step; repeated, they can diverge.
     # Keep the axis on the range that matters.
     start = max(m["curve"][0] for m in results["methods"].values())

@@ -71,7 +71,9 @@ def _mix(x: Any, a: Any, b: Any) -> Any:
     return (1 - x) * a + x * b
 
 
-def _lists_case(a0: Sequence[Any], b0: Sequence[Any], x0: float, loss_fn: Callable[[List[Any]], Any]) -> Tuple[Callable[[Type[tf.GradientTape]], Any], Callable[[], Any], Callable[[], Any]]:
+def _lists_case(
+    a0: Sequence[Any], b0: Sequence[Any], x0: float, loss_fn: Callable[[List[Any]], Any]
+) -> Tuple[Callable[[Type[tf.GradientTape]], Any], Callable[[], Any], Callable[[], Any]]:
     def program(tape_class: Type[tf.GradientTape]) -> Any:
         a = [tf.Variable(v, dtype=tf.float32) for v in a0]
         b = [tf.Variable(v, dtype=tf.float32) for v in b0]
@@ -111,9 +113,7 @@ def _lists_case(a0: Sequence[Any], b0: Sequence[Any], x0: float, loss_fn: Callab
 
 
 _scalars = _lists_case([1.0, 4.0], [2.0, 9.0], 0.01, tf.norm)
-_nested = _lists_case(
-    [[1, 2], [5], 7], [[3, 4], [6], 8], 0.5, lambda c: tf.norm([tf.norm(ci) for ci in c])
-)
+_nested = _lists_case([[1, 2], [5], 7], [[3, 4], [6], 8], 0.5, lambda c: tf.norm([tf.norm(ci) for ci in c]))
 
 CASES = [
     Case("c.assign(a + b); loss = c**2  ->  d/db", _sum_case, _sum_rewrite, _sum_chain_rule),
@@ -127,10 +127,7 @@ def _fmt(x: Optional[tf.Tensor]) -> str:
 
 
 def main() -> None:
-    header = (
-        f"{'case':<58} {'tf.GradientTape':>16} {'AssignAwareTape':>16} "
-        f"{'chain rule':>12} {'rewrite':>12}"
-    )
+    header = f"{'case':<58} {'tf.GradientTape':>16} {'AssignAwareTape':>16} {'chain rule':>12} {'rewrite':>12}"
     print(header)
     print("-" * len(header))
     for case in CASES:
@@ -138,10 +135,7 @@ def main() -> None:
         _, aware = case.program(AssignAwareTape)
         _, by_hand = case.chain_rule()
         _, oracle = case.rewrite()
-        print(
-            f"{case.name:<58} {_fmt(plain):>16} {_fmt(aware):>16} "
-            f"{_fmt(by_hand):>12} {_fmt(oracle):>12}"
-        )
+        print(f"{case.name:<58} {_fmt(plain):>16} {_fmt(aware):>16} {_fmt(by_hand):>12} {_fmt(oracle):>12}")
 
 
 if __name__ == "__main__":

@@ -176,14 +176,26 @@ def _plot(results: Dict[str, Any]) -> Optional[str]:
         fixed = stream["fixed"]
         sweep.plot(list(fixed), list(fixed.values()), "o:", color=line.get_color(), label=f"{name}: fixed tau")
         sweep.plot(
-            [stream["learned"]["tau"][-1]], [stream["learned"]["final_target_loss"]], "*",
-            ms=14, color=line.get_color(), label=f"{name}: learned tau",
+            [stream["learned"]["tau"][-1]],
+            [stream["learned"]["final_target_loss"]],
+            "*",
+            ms=14,
+            color=line.get_color(),
+            label=f"{name}: learned tau",
         )
-    taus.set(yscale="log", xlabel="training step (model.fit, compiled)", ylabel="tau",
-             title="Learned soft-update coefficient")
+    taus.set(
+        yscale="log",
+        xlabel="training step (model.fit, compiled)",
+        ylabel="tau",
+        title="Learned soft-update coefficient",
+    )
     taus.legend()
-    sweep.set(xscale="log", xlabel="tau (final)", ylabel="target network's loss, last 10% of the stream",
-              title="Learned tau against fixed ones")
+    sweep.set(
+        xscale="log",
+        xlabel="tau (final)",
+        ylabel="target network's loss, last 10% of the stream",
+        title="Learned tau against fixed ones",
+    )
     sweep.legend(fontsize=8)
     return _report.save(fig, results["config"]["plot"])
 

@@ -57,21 +57,33 @@ def allowed(source: Source, estimate: Estimate, analytic: Optional[np.ndarray], 
     numeric = np.abs(estimate.value)
     eps = float(np.finfo(source.variable.dtype.as_numpy_dtype).eps)
     # The gradient's scale: the larger of the two answers' largest entries.
-    scale = max(float(np.max(numeric, initial=0.0)), float(np.nanmax(np.abs(analytic), initial=0.0)) if analytic is not None else 0.0)
+    scale = max(
+        float(np.max(numeric, initial=0.0)),
+        float(np.nanmax(np.abs(analytic), initial=0.0)) if analytic is not None else 0.0,
+    )
     floor = _TAPE_ULPS * eps + (_LOW_PRECISION_FLOOR if eps > 1e-10 else 0.0)
     bound: np.ndarray = estimate.error + floor * scale + atol + rtol * numeric
     return bound
 
 
-def _row(source: Source, analytic: Optional[np.ndarray], estimate: Estimate, tolerance: np.ndarray) -> Optional[List[str]]:
+def _row(
+    source: Source, analytic: Optional[np.ndarray], estimate: Estimate, tolerance: np.ndarray
+) -> Optional[List[str]]:
     """The table row of a mismatching source, else None."""
     numeric = estimate.value
     if analytic is None:
         if not np.any(np.abs(numeric) > tolerance):
             return None  # no path, and none measured
         where = np.unravel_index(int(np.argmax(np.abs(numeric))), numeric.shape) if numeric.ndim else ()
-        return [source.name, "inf", "inf", str(tuple(int(i) for i in where)), "None", _num(numeric[where]),
-                f"{float(tolerance[where]):.3g}"]
+        return [
+            source.name,
+            "inf",
+            "inf",
+            str(tuple(int(i) for i in where)),
+            "None",
+            _num(numeric[where]),
+            f"{float(tolerance[where]):.3g}",
+        ]
     analytic = np.broadcast_to(analytic, numeric.shape)
     error = np.abs(analytic - numeric)
     bad = error > tolerance

@@ -100,8 +100,17 @@ def generate(
             broadcasts = kind in BROADCASTING and not (compiled == "xla" and kind == "slice")
             broadcast = draw(st.sampled_from(shapes_ok)) if broadcasts else ""
             statements.append(
-                ("partial", i, kind, rows, operand(), operand(), draw(st.sampled_from(BINARY)),
-                 draw(st.sampled_from(sorted(UNARY))), broadcast)
+                (
+                    "partial",
+                    i,
+                    kind,
+                    rows,
+                    operand(),
+                    operand(),
+                    draw(st.sampled_from(BINARY)),
+                    draw(st.sampled_from(sorted(UNARY))),
+                    broadcast,
+                )
             )
         elif what == "read":
             statements.append(("read", operand(), draw(st.sampled_from(sorted(UNARY)))))

@@ -29,8 +29,17 @@ if TYPE_CHECKING:  # pragma: no cover
     from assigntape.testing._program import Program
 
 __all__ = [
-    "VariableStore", "ControlFlowStore", "TensorStore", "interpret", "make_variables", "state",
-    "tape_run", "rewrite_run", "events_tape_run", "events_rewrite_run", "oracle_dtype",
+    "VariableStore",
+    "ControlFlowStore",
+    "TensorStore",
+    "interpret",
+    "make_variables",
+    "state",
+    "tape_run",
+    "rewrite_run",
+    "events_tape_run",
+    "events_rewrite_run",
+    "oracle_dtype",
 ]
 
 Gradients = Dict[str, Any]  # {"vars": [...], "params": (...)}
@@ -82,11 +91,11 @@ class VariableStore:
         if kind == "slice":
             v[rows[0] : rows[-1] + 1].assign(value)
         elif kind.startswith("scatter_nd"):
-            op = "ResourceScatterNd" + kind[len("scatter_nd_"):].capitalize()
+            op = "ResourceScatterNd" + kind[len("scatter_nd_") :].capitalize()
             getattr(tf.raw_ops, op)(ref=v.handle, indices=[[r] for r in rows], updates=value)
         else:
             # The raw op: unlike the methods, it takes a scalar update too.
-            op = "ResourceScatter" + kind[len("scatter_"):].capitalize()
+            op = "ResourceScatter" + kind[len("scatter_") :].capitalize()
             getattr(tf.raw_ops, op)(resource=v.handle, indices=list(rows), updates=value)
 
     def write_in_function(self, i: int, kind: str, value: Any, context: int = 0) -> None:
@@ -133,8 +142,9 @@ class ControlFlowStore(VariableStore):
     ``tf.range(one)`` with ``one`` a run-time 1, nested as ``layers`` says. The
     writes' versions leave through the conds' outputs and the loops' state."""
 
-    def __init__(self, variables: Sequence[Any], tapes: Sequence[Any], pred: Any, one: Any,
-                 layers: Sequence[str]) -> None:
+    def __init__(
+        self, variables: Sequence[Any], tapes: Sequence[Any], pred: Any, one: Any, layers: Sequence[str]
+    ) -> None:
         super().__init__(variables, tapes)
         self.pred, self.one, self.layers = pred, one, tuple(layers)
 
@@ -162,8 +172,9 @@ class ControlFlowStore(VariableStore):
                 self._inside(write, layers[1:])
                 return {"out": tf.constant(0.0), "more": (tf.constant(1), [tf.constant(2.0)])}
 
-            tf.cond(self.pred, structured,
-                    lambda: {"out": tf.constant(0.0), "more": (tf.constant(1), [tf.constant(2.0)])})
+            tf.cond(
+                self.pred, structured, lambda: {"out": tf.constant(0.0), "more": (tf.constant(1), [tf.constant(2.0)])}
+            )
             return
 
         def taken() -> Any:

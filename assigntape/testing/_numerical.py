@@ -14,14 +14,21 @@ from assigntape._tape import AssignAwareTape
 from assigntape.testing._sources import Source, resolve_sources
 from assigntape.testing._state import SavedState, probe
 
-__all__ = ["Estimate", "default_step", "estimates", "numerical_gradient", "require_callable", "scalar_value", "check_versions_exist"]
+__all__ = [
+    "Estimate",
+    "default_step",
+    "estimates",
+    "numerical_gradient",
+    "require_callable",
+    "scalar_value",
+    "check_versions_exist",
+]
 
 
 def require_callable(fn: Any) -> None:
     if not callable(fn):
         raise TypeError(
-            f"fn must be a callable taking no arguments and returning a scalar tensor, "
-            f"got {type(fn).__name__}"
+            f"fn must be a callable taking no arguments and returning a scalar tensor, got {type(fn).__name__}"
         )
 
 
@@ -33,8 +40,7 @@ def scalar_value(result: Any) -> float:
         raise TypeError(f"fn must return a scalar tensor, got {type(result).__name__}") from e
     if tensor.shape.rank != 0:
         raise ValueError(
-            f"fn must return a scalar (shape []), got shape {tensor.shape}: reduce it, "
-            "e.g. with tf.reduce_sum"
+            f"fn must return a scalar (shape []), got shape {tensor.shape}: reduce it, e.g. with tf.reduce_sum"
         )
     if not (tensor.dtype.is_floating or tensor.dtype.is_integer):
         raise ValueError(f"fn must return a real scalar, got dtype {tensor.dtype.name}")
@@ -125,9 +131,7 @@ def _evaluate(fn: Callable[[], Any], state: SavedState, source: Source, offset: 
         with _PerturbingTape(var, source.version, offset) as tape:
             result = fn()
     if tape.seen < source.version:
-        raise ValueError(
-            f"source {source.name!r}: this run of fn wrote {var.name!r} only {tape.seen} time(s)"
-        )
+        raise ValueError(f"source {source.name!r}: this run of fn wrote {var.name!r} only {tape.seen} time(s)")
     return scalar_value(result)
 
 
@@ -171,7 +175,9 @@ def _estimate(fn: Callable[[], Any], state: SavedState, source: Source, delta: f
     for idx in np.ndindex(*shape):
         for direction in directions:
 
-            def difference(size: float) -> Tuple[float, float, float]:
+            def difference(
+                size: float, idx: Tuple[int, ...] = idx, direction: Any = direction
+            ) -> Tuple[float, float, float]:
                 """(f(x + step), f(x - step), the derivative by them)."""
                 step = np.zeros(shape, dtype)
                 step[idx] = dtype(size * direction)
@@ -196,7 +202,9 @@ def _estimate(fn: Callable[[], Any], state: SavedState, source: Source, delta: f
     return Estimate(grad, error)
 
 
-def estimates(fn: Callable[[], Any], sources: List[Source], state: SavedState, delta: Optional[float]) -> List[Estimate]:
+def estimates(
+    fn: Callable[[], Any], sources: List[Source], state: SavedState, delta: Optional[float]
+) -> List[Estimate]:
     """``check_gradients``' differences: each source's extrapolated
     derivative and its error bound, from the saved state (restored after).
     ``delta`` None: ``default_step`` of each source's dtype."""
@@ -216,9 +224,7 @@ def default_step(dtype: Any) -> float:
     return 1e-3 if float(np.finfo(dtype.as_numpy_dtype).eps) < 1e-10 else 1e-2
 
 
-def numerical_gradient(
-    fn: Callable[[], Any], sources: Any, *, delta: float = 1e-3
-) -> List[np.ndarray]:
+def numerical_gradient(fn: Callable[[], Any], sources: Any, *, delta: float = 1e-3) -> List[np.ndarray]:
     """Central finite differences of ``fn()`` with respect to each source.
 
     ``fn`` may write variables. It runs once first under an ``AssignAwareTape``

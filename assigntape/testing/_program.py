@@ -122,9 +122,7 @@ def assert_close(got: Any, expected: Any, rtol: float, atol: float, what: str) -
     got_flat, expected_flat = tf.nest.flatten(got), tf.nest.flatten(expected)
     assert len(got_flat) == len(expected_flat), f"{what}: {len(got_flat)} values, expected {len(expected_flat)}"
     for i, (a, e) in enumerate(zip(got_flat, expected_flat)):
-        np.testing.assert_allclose(
-            _numpy(a), _numpy(e), rtol=rtol, atol=atol, equal_nan=True, err_msg=f"{what} [{i}]"
-        )
+        np.testing.assert_allclose(_numpy(a), _numpy(e), rtol=rtol, atol=atol, equal_nan=True, err_msg=f"{what} [{i}]")
 
 
 def assert_gradients_close(got: Any, expected: Any, rtol: float, atol: float, what: str) -> None:

@@ -20,10 +20,10 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import numpy as np
 import tensorflow as tf
-from assigntape._tf import gen_resource_variable_ops, record
 
 from assigntape import _versions
 from assigntape._tape import AssignAwareTape
+from assigntape._tf import gen_resource_variable_ops, record
 
 __all__ = ["SavedState", "probe"]
 

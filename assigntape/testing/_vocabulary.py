@@ -39,13 +39,31 @@ UNARY: Dict[str, Callable[[Any], Any]] = {
 BINARY: Tuple[str, ...] = ("add", "mul", "sub", "matvec")
 FULL_WRITES: Tuple[str, ...] = ("assign", "assign_add", "assign_sub")
 PARTIAL_WRITES: Tuple[str, ...] = (
-    "scatter_update", "scatter_add", "scatter_sub", "scatter_mul", "scatter_div", "scatter_min", "scatter_max",
-    "scatter_nd_update", "scatter_nd_add", "scatter_nd_sub", "scatter_nd_min", "scatter_nd_max", "slice",
+    "scatter_update",
+    "scatter_add",
+    "scatter_sub",
+    "scatter_mul",
+    "scatter_div",
+    "scatter_min",
+    "scatter_max",
+    "scatter_nd_update",
+    "scatter_nd_add",
+    "scatter_nd_sub",
+    "scatter_nd_min",
+    "scatter_nd_max",
+    "slice",
 )
 WRITE_KINDS: Tuple[str, ...] = FULL_WRITES + PARTIAL_WRITES
 ORDERED: Tuple[str, ...] = ("scatter_min", "scatter_max", "scatter_nd_min", "scatter_nd_max")  # not complex
 BROADCASTING: Tuple[str, ...] = (
-    "scatter_update", "scatter_add", "scatter_sub", "scatter_mul", "scatter_div", "scatter_min", "scatter_max", "slice",
+    "scatter_update",
+    "scatter_add",
+    "scatter_sub",
+    "scatter_mul",
+    "scatter_div",
+    "scatter_min",
+    "scatter_max",
+    "slice",
 )
 XLA_MISSING: Tuple[str, ...] = ("scatter_nd_min", "scatter_nd_max")  # XLA has no kernel for these
 # identity (the C++ fast path), read_value, a Python operator, tf.gather, a
@@ -57,6 +75,12 @@ READ_PATHS = 6
 # return a dict holding a tuple ("struct_cond"), which the tape's own outputs
 # must be threaded through.
 LAYERS: Tuple[Tuple[str, ...], ...] = (
-    ("cond",), ("cond", "cond"), ("loop",), ("loop", "cond"), ("cond", "loop"),
-    ("struct_loop",), ("struct_cond", "struct_loop"), ("struct_loop", "cond"),
+    ("cond",),
+    ("cond", "cond"),
+    ("loop",),
+    ("loop", "cond"),
+    ("cond", "loop"),
+    ("struct_loop",),
+    ("struct_cond", "struct_loop"),
+    ("struct_loop", "cond"),
 )

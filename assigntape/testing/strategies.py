@@ -98,6 +98,13 @@ def programs(
     if compiled and (events or function_writes):
         raise ValueError("events and function_writes run eagerly only: not with compiled")
     return generate(
-        max_variables, max_steps, names, tuple(writes), compiled, events, function_writes,
-        keras_variables, stopped_writes,
+        max_variables,
+        max_steps,
+        names,
+        tuple(writes),
+        compiled,
+        events,
+        function_writes,
+        keras_variables,
+        stopped_writes,
     )

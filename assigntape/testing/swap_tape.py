@@ -38,9 +38,8 @@ import sys
 import threading
 from typing import Any, List, Optional, Tuple
 
-from assigntape._tf import backprop
-
 from assigntape._tape import AssignAwareTape
+from assigntape._tf import backprop
 
 __all__ = ["SwappedGradientTape", "install", "uninstall", "swapped_count"]
 
@@ -111,7 +110,7 @@ def install(untracked_writes: str = "raise") -> None:
     if _swapped:
         return
     for module in _places():
-        setattr(module, "GradientTape", SwappedGradientTape)
+        module.GradientTape = SwappedGradientTape
         _swapped.append((module, "GradientTape"))
 
 

@@ -34,7 +34,6 @@ def step(w: Any, lr: Any, x: Any) -> Any:
 def keras_step(v: Any, optimizer: Any, lr: Any, x: Any) -> Any:
     """``step`` with the optimizer's update in place of the assign_sub."""
     from assigntape import AssignAwareTape
-
     from helpers.mirrored_inner_loop import _loop
 
     with AssignAwareTape() as outer:

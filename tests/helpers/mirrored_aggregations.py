@@ -99,7 +99,9 @@ def _reduction(strategy, compiled, how):
             loss = s * s
         return loss, tape.gradient(loss, x)
 
-    cs = strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant([1.0, 3.0][ctx.replica_id_in_sync_group]))
+    cs = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant([1.0, 3.0][ctx.replica_id_in_sync_group])
+    )
     loss, grad = strategy.run(tf.function(step) if compiled else step, args=(cs,))
     return {
         "loss": [float(t) for t in strategy.experimental_local_results(loss)],
@@ -149,11 +151,15 @@ def main() -> None:
     out["unread_aggregated_write"] = _outcome(lambda: _unread_write(strategy))
     out["cond_write_in_replica_context"] = _outcome(lambda: _cond_step(strategy))
     for compiled in (False, True):
-        out[f"cut_aggregated_write_{'function' if compiled else 'eager'}"] = _outcome(lambda: _cut_write(strategy, compiled))
+        out[f"cut_aggregated_write_{'function' if compiled else 'eager'}"] = _outcome(
+            lambda: _cut_write(strategy, compiled)
+        )
     out["merge_call_aggregated_write"] = _outcome(lambda: _cut_write(strategy, False, cut=False))
     for how in ("all_reduce", "merge_call", "one_device"):
         for compiled in (False, True):
-            out[f"reduction_{how}_{'function' if compiled else 'eager'}"] = _outcome(lambda: _reduction(strategy, compiled, how))
+            out[f"reduction_{how}_{'function' if compiled else 'eager'}"] = _outcome(
+                lambda: _reduction(strategy, compiled, how)
+            )
     print(json.dumps(out))
 
 

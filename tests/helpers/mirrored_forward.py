@@ -53,11 +53,15 @@ def main() -> None:
                     jvp, grad = strategy.run(tf.function(fn) if mode == "compiled" else fn)
                     return [
                         [float(j), float(g)]
-                        for j, g in zip(strategy.experimental_local_results(jvp), strategy.experimental_local_results(grad))
+                        for j, g in zip(
+                            strategy.experimental_local_results(jvp), strategy.experimental_local_results(grad)
+                        )
                     ]
 
                 out[f"{kind} {'outside' if outside else 'inside'} {mode}"] = _outcome(run)
-    out["keras_step"] = {mode: _outcome(lambda: keras_step(strategy, mode == "compiled")) for mode in ("eager", "compiled")}
+    out["keras_step"] = {
+        mode: _outcome(lambda: keras_step(strategy, mode == "compiled")) for mode in ("eager", "compiled")
+    }
     from helpers.mirrored_loss_scale import sgd_rewrite
 
     out["rewrite_d_lr"] = sgd_rewrite()[0]

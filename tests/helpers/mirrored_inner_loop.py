@@ -28,9 +28,19 @@ def inner_loop_optimizers(lr: Any) -> Dict[str, Tuple[Callable[[], Any], int]]:
     import keras
 
     made = optimizers(lr)
-    chosen = {name: (made[name], 2) for name in (
-        "SGD_momentum", "Adam", "RMSprop", "legacy_SGD_momentum", "legacy_Adam", "legacy_RMSprop", "v1_Momentum", "v1_Adam"
-    )}
+    chosen = {
+        name: (made[name], 2)
+        for name in (
+            "SGD_momentum",
+            "Adam",
+            "RMSprop",
+            "legacy_SGD_momentum",
+            "legacy_Adam",
+            "legacy_RMSprop",
+            "v1_Momentum",
+            "v1_Adam",
+        )
+    }
     # One step: AdamW failed at its first (its weight decay writes before the update).
     chosen["AdamW"] = (lambda: keras.optimizers.AdamW(learning_rate=lambda: lr * 1.0, weight_decay=0.05), 1)
     return chosen
@@ -109,7 +119,9 @@ def mirrored(strategy: Any, make: Callable[[Any], Any], steps: int, compiled: bo
     ]
 
 
-def report(cases: Callable[[Any], Dict[str, Tuple[Callable[[], Any], int]]], rewrites: Callable[[], Dict[str, Any]]) -> None:
+def report(
+    cases: Callable[[Any], Dict[str, Tuple[Callable[[], Any], int]]], rewrites: Callable[[], Dict[str, Any]]
+) -> None:
     """Prints ``rewrites()`` with, for each case of ``cases(lr)``, one device's
     results and MirroredStrategy's on two logical CPUs, eager and compiled."""
     cpu = tf.config.list_physical_devices("CPU")[0]

@@ -86,8 +86,10 @@ def mirrored(strategy: Any, name: str, compiled: bool, made: Any = None) -> List
     with strategy.scope():
         if name in ON_READ:
             w = tf.Variable(
-                W0, synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=getattr(tf.VariableAggregation, ON_READ[name]), trainable=True,
+                W0,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=getattr(tf.VariableAggregation, ON_READ[name]),
+                trainable=True,
             )
             name = "SGD"
         else:
@@ -118,11 +120,13 @@ def mirrored(strategy: Any, name: str, compiled: bool, made: Any = None) -> List
         ws = strategy.experimental_local_results(d_w)
         if any(g is None for g in lrs + ws):
             raise AssertionError(f"a replica's meta-gradient is None: {lrs}, {ws}")
-        out.append([
-            sum(float(g) for g in lrs),
-            tf.add_n(list(ws)).numpy().tolist(),
-            [c.numpy().tolist() for c in strategy.experimental_local_results(w)],
-        ])
+        out.append(
+            [
+                sum(float(g) for g in lrs),
+                tf.add_n(list(ws)).numpy().tolist(),
+                [c.numpy().tolist() for c in strategy.experimental_local_results(w)],
+            ]
+        )
     return out
 
 
@@ -151,7 +155,7 @@ def _sparse_step(optimizer: Any, table: Any, ids: List[Any], scale: float) -> An
         with tf.GradientTape() as inner:
             loss = sum(tf.reduce_sum(tf.gather(table, i) ** 3) for i in ids)
         optimizer.apply_gradients([(inner.gradient(loss, table), table)])
-        val = scale * tf.reduce_sum(table ** 2)
+        val = scale * tf.reduce_sum(table**2)
     return outer, val
 
 
@@ -197,10 +201,14 @@ def sparse_steps(strategy: Any) -> Dict[str, Any]:
                 got = []
                 for _ in range(STEPS):
                     d_lr, d_table = strategy.run(fn, args=(ids,))
-                    got.append([
-                        sum(float(g) for g in strategy.experimental_local_results(d_lr)),
-                        tf.add_n([tf.convert_to_tensor(g) for g in strategy.experimental_local_results(d_table)]).numpy().tolist(),
-                    ])
+                    got.append(
+                        [
+                            sum(float(g) for g in strategy.experimental_local_results(d_lr)),
+                            tf.add_n([tf.convert_to_tensor(g) for g in strategy.experimental_local_results(d_table)])
+                            .numpy()
+                            .tolist(),
+                        ]
+                    )
                 return got
 
             out[name][mode] = _outcome(run)
@@ -233,6 +241,7 @@ def sparse_unaggregated(strategy: Any) -> List[float]:
     ``experimental_aggregate_gradients=False`` (each replica its own step):
     each replica's d/d lr of sum(table) after the step."""
     import tf_keras
+
     from assigntape import AssignAwareTape
 
     with strategy.scope():
@@ -270,11 +279,16 @@ def main() -> None:
             out[name][mode] = _outcome(lambda: mirrored(strategy, name, mode == "compiled", made))
             if "error" in out[name][mode] and "w" in made:
                 # What a refused step left in the components.
-                out[name][mode]["components"] = [c.numpy().tolist() for c in strategy.experimental_local_results(made["w"])]
+                out[name][mode]["components"] = [
+                    c.numpy().tolist() for c in strategy.experimental_local_results(made["w"])
+                ]
     out["sparse"] = sparse_steps(strategy)
     out["sparse_unaggregated"] = _outcome(lambda: sparse_unaggregated(strategy))
     out["plain_around"] = {
-        name: {mode: _outcome(lambda: plain_tape_around(strategy, name, mode == "compiled")) for mode in ("eager", "compiled")}
+        name: {
+            mode: _outcome(lambda: plain_tape_around(strategy, name, mode == "compiled"))
+            for mode in ("eager", "compiled")
+        }
         for name in ("SGD", "legacy_SGD", "v1_SGD")
     }
     print(json.dumps(out))

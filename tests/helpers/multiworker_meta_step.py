@@ -37,7 +37,9 @@ def main() -> None:
     from helpers.mirrored_loss_scale import loss_scale_optimizers, sgd_rewrite
 
     make = lambda lr: loss_scale_optimizers(lr)["SGD"][0]()  # noqa: E731
-    result["loss_scale"] = {mode: _outcome(lambda: inner_loop(strategy, make, 1, mode == "compiled")) for mode in ("eager", "compiled")}
+    result["loss_scale"] = {
+        mode: _outcome(lambda: inner_loop(strategy, make, 1, mode == "compiled")) for mode in ("eager", "compiled")
+    }
     result["rewrite_loss_scale"] = sgd_rewrite()
     print(json.dumps(result))
     sys.stdout.flush()

@@ -62,7 +62,9 @@ def programs(w: Any, lr: Any) -> Dict[str, Callable[[], List[Any]]]:
     return {f.__name__: f for f in (top_level, in_cond, in_loop, fused_kernel, scatter, two_writes)}
 
 
-def _run(make: Callable[[], Dict[str, Callable[[], List[Any]]]], reset: Callable[[], None], wrap: Callable[..., Any]) -> Dict[str, Any]:
+def _run(
+    make: Callable[[], Dict[str, Callable[[], List[Any]]]], reset: Callable[[], None], wrap: Callable[..., Any]
+) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for name, program in make().items():
         for mode in ("eager", "compiled"):

@@ -24,10 +24,12 @@ LR = 0.1
 
 def _cluster(workers: int = 2, ps: int = 2) -> Any:
     ports = free_ports(workers + ps)
-    spec = tf.train.ClusterSpec({
-        "worker": [f"127.0.0.1:{p}" for p in ports[:workers]],
-        "ps": [f"127.0.0.1:{p}" for p in ports[workers:]],
-    })
+    spec = tf.train.ClusterSpec(
+        {
+            "worker": [f"127.0.0.1:{p}" for p in ports[:workers]],
+            "ps": [f"127.0.0.1:{p}" for p in ports[workers:]],
+        }
+    )
     config = tf.compat.v1.ConfigProto()
     config.inter_op_parallelism_threads = 4  # 1 deadlocks the worker's function
     for i in range(workers):
@@ -51,9 +53,7 @@ def main() -> None:
     out: Dict[str, Any] = {}
     x = tf.constant(X)
     for sharded in (False, True):
-        partitioner = (
-            tf.distribute.experimental.partitioners.FixedShardsPartitioner(2) if sharded else None
-        )
+        partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(2) if sharded else None
         strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
@@ -80,6 +80,7 @@ def main() -> None:
 
         out[f"{label}/step"] = _outcome(run)
         if sharded:
+
             @tf.function
             def shard_write() -> Any:
                 with AssignAwareTape() as tape:
