@@ -230,6 +230,10 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (ConcreteFunction, "_call_flat", _functions.call_function),
         # Reads of variables written through handles no tape could name (_versions).
         (eager_tape, "variable_accessed", _versions.accessed),
+        # An op that failed in C++ (every generated op wrapper raises through
+        # it): where an error the handle descriptor, which TensorFlow's C++
+        # code calls, could not raise is raised (_versions.defer).
+        (ops, "raise_from_not_ok_status", _versions.not_ok_status),
         # A variable made in a tf.function's first trace initializes itself
         # with a write in the graph, which is not the tape's (_versions).
         (UnliftedInitializerVariable, "__init__", _versions.constructing),

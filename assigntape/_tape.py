@@ -163,6 +163,12 @@ class AssignAwareTape(tf.GradientTape):
                 if self._tape is not None:
                     self._start_lease()
                 _patches.release()
+        # An error the handle descriptor deferred (a read TensorFlow's C++
+        # code made, refused) that no later step raised: raised on the way out
+        # unless another is.
+        deferred = _versions.take_deferred()
+        if deferred is not None and typ is None:
+            raise deferred
 
     def _start_lease(self) -> None:
         """Keeps the patches installed while the tape is closed, and has every
@@ -325,6 +331,7 @@ class AssignAwareTape(tf.GradientTape):
         Returns:
           Gradients in the structure of ``sources``.
         """
+        _versions.raise_deferred()
         if target is None:
             return super().gradient(target, sources, output_gradients, unconnected_gradients)
         record = self._record

@@ -1342,7 +1342,17 @@ def serve_handle(scope: Scope, inst: Any, d: Dict[str, Any], handle: Any = None)
 
 
 class HandleDescriptor:
-    """``BaseResourceVariable._handle`` while some scope is open: the current version."""
+    """``BaseResourceVariable._handle`` while some scope is open: the current version.
+
+    TensorFlow's C++ code looks the attribute up too (the eager fast path's
+    ``ReadVariableOp``, the tapes' ``WatchVariable``), and does not expect
+    it to fail: an exception raised here from there kills the process. So
+    nothing here raises but Python's own error for a variable with no
+    handle (as without the descriptor): any other error (a refused read, an
+    interrupt) is deferred (``defer``), and the variable is served a handle
+    that no read can use, so that the read fails in TensorFlow and the
+    deferred error is raised at the next Python-level step.
+    """
 
     def __get__(self, inst: Any, owner: Any = None) -> Any:
         # Every read asks this two or three times (TensorFlow fetches
@@ -1350,24 +1360,26 @@ class HandleDescriptor:
         if inst is None:
             return self
         d = inst.__dict__
-        scopes = getattr(_tls, "scopes", None)
-        if scopes:
-            ctx = _context._context
-            if ctx is not None and ctx._thread_local_data.is_eager:
-                scope = scopes.get(None)
-                if scope is not None:
-                    return serve_handle(scope, inst, d)
-            else:
-                scope = _enclosing_scope(scopes)
-                if scope is not None:
-                    branches = getattr(_tls, "branches", None)
-                    branch = branches.get(ops.get_default_graph()) if branches else None
-                    # Inside a cond branch that wrote the variable: its branch version.
-                    return serve_handle(scope, inst, d, None if branch is None else branch.version_of_uid(d.get("_unique_id")))
         try:
+            scopes = getattr(_tls, "scopes", None)
+            if scopes:
+                ctx = _context._context
+                if ctx is not None and ctx._thread_local_data.is_eager:
+                    scope = scopes.get(None)
+                    if scope is not None:
+                        return serve_handle(scope, inst, d)
+                else:
+                    scope = _enclosing_scope(scopes)
+                    if scope is not None:
+                        branches = getattr(_tls, "branches", None)
+                        branch = branches.get(ops.get_default_graph()) if branches else None
+                        # Inside a cond branch that wrote the variable: its branch version.
+                        return serve_handle(scope, inst, d, None if branch is None else branch.version_of_uid(d.get("_unique_id")))
             return d["_handle"]
-        except KeyError:
-            raise _no_handle(inst) from None
+        except BaseException as error:  # noqa: B036 - an interrupt too: see the class docstring
+            if "_handle" not in d:
+                raise _no_handle(inst) from None
+            return defer(error)
 
     def __set__(self, inst: Any, value: Any) -> None:
         if type(inst) is _UNREAD_VARIABLE and isinstance(value, ops.EagerTensor):
@@ -1384,6 +1396,57 @@ class HandleDescriptor:
 
     def __delete__(self, inst: Any) -> None:
         del inst.__dict__["_handle"]
+
+
+# The shared name of the resource behind the handle ``defer`` serves: a
+# resource never created, so that any read through it fails in TensorFlow
+# (with this name in the message, where the deferred error was not raised).
+POISON_NAME = "assigntape_refused_read_see_the_UntrackedWriteError_raised_before"
+
+
+def defer(error: BaseException) -> Any:
+    """Keeps ``error``, raised where TensorFlow's C++ code may be the caller,
+    for this thread's next Python-level step (``raise_deferred``), and returns
+    the handle to serve meanwhile: one no read can use, so that the read
+    fails in TensorFlow, cleanly, and its error is replaced by ``error``
+    (``not_ok_status``). A first error deferred is kept over later ones."""
+    if getattr(_tls, "deferred", None) is None:
+        _tls.deferred = error
+    try:
+        with ops.init_scope():
+            return gen_resource_variable_ops.var_handle_op(dtype=dtypes.float32, shape=[], shared_name=POISON_NAME, container="")
+    except BaseException:  # noqa: B036 - no handle to serve: the variable's own, the error still deferred
+        return _no_poison
+
+
+def _no_poison() -> None:
+    """What ``defer`` returns if it cannot make a handle: nothing a read can
+    use either (C++'s read refuses anything but a tensor)."""
+
+
+def take_deferred() -> Optional[BaseException]:
+    """The error ``defer`` kept in this thread, if any, forgotten here."""
+    error = getattr(_tls, "deferred", None)
+    if error is not None:
+        _tls.deferred = None
+    return error
+
+
+def raise_deferred() -> None:
+    """Raises the error ``defer`` kept in this thread, if any."""
+    error = take_deferred()
+    if error is not None:
+        raise error
+
+
+def not_ok_status(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """``ops.raise_from_not_ok_status``, which every generated op wrapper
+    calls, in Python, when its op failed in C++: a read through the handle
+    ``defer`` served has failed, and the error deferred is the one to raise."""
+    error = take_deferred()
+    if error is not None:
+        raise error.with_traceback(None) from None
+    return wrapped(*args, **kwargs)
 
 
 _READING = HandleDescriptor()
