@@ -88,7 +88,6 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
         # notes this accumulator (it must hold the versions once the tape
         # inside closes, for jvp after the block; see _plain_tapes).
         _patches.acquire()
-        _patches.release()
         super().__enter__()
         if self._writes is not None:  # (not while __init__ watches)
             try:

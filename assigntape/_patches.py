@@ -445,19 +445,21 @@ def _uninstall() -> None:
             setattr(owner, name, original)
 
 
-def acquire() -> None:
-    """One more tape that needs the patches; the first installs them."""
+def acquire(holder: Any = None) -> None:
+    """``holder`` (an open tape's record) needs the patches: the first
+    installs them. With no holder, only installs them."""
     global _installed
     with _leases.lock:
         if not _installed:
             _install()
             _installed = True
-        _leases.take()
+        if holder is not None:
+            _leases.take(holder)
 
 
-def release() -> None:
-    """One tape fewer. The patches stay (dormant) until ``uninstall``."""
-    _leases.give()
+def release(holder: Any) -> None:
+    """``holder`` no longer does. The patches stay (dormant) until ``uninstall``."""
+    _leases.give(holder)
 
 
 def uninstall() -> None:

@@ -88,7 +88,7 @@ class AssignAwareTape(tf.GradientTape):
     def __enter__(self) -> "AssignAwareTape":
         _patches.refuse_unfollowed_recorders()
         super().__enter__()  # raises, with nothing acquired, if already recording
-        _patches.acquire()
+        _patches.acquire(self._record)
         self._end_lease()
         record = self._record
         scope = self._scope = _versions.open_scope(record)
@@ -162,7 +162,7 @@ class AssignAwareTape(tf.GradientTape):
                 self._scope = None
                 if self._tape is not None:
                     self._start_lease()
-                _patches.release()
+                _patches.release(self._record)
         # An error the handle descriptor deferred (a read TensorFlow's C++
         # code made, refused) that no later step raised: raised on the way out
         # unless another is.

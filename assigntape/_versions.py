@@ -20,6 +20,7 @@ what they cost without assigntape, and ``constructed`` notes new handles.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import warnings
@@ -307,6 +308,8 @@ def hold_closed(tape_record: Record) -> None:
     global _active_at
     with _all_lock:
         closed_tapes.add(tape_record)
+        # (A forked child forgets the tapes other threads closed: ``_after_fork_in_child``.)
+        tape_record.closed_in = threading.get_ident()
         _active_at = time.monotonic()
         if not _switched:
             _switch(True)
@@ -671,6 +674,67 @@ def acting_for(scope: Scope, merging: Sequence[Scope]) -> Iterator[None]:
         for tape in reversed(recording):
             eager_tape.pop_tape(tape)
         _tls.scopes, _tls.merging = saved
+
+
+# The plain tapes and accumulators open in other threads when this one
+# forks (in the child, their threads' lists may be gone before the hook runs).
+_open_elsewhere_at_fork: List[Any] = []
+
+
+def _before_fork() -> None:
+    # Held across the fork, so that the child's copy is not held by a thread
+    # that does not exist there (it would wait on it for ever).
+    _leases.lock.acquire()
+    _all_lock.acquire()
+    me = threading.get_ident()
+    for thread, opened in list(_plain_by_thread.items()):
+        if thread != me:
+            _open_elsewhere_at_fork.extend(ref() for ref, _ in list(opened))
+
+
+def _after_fork_in_parent() -> None:
+    _open_elsewhere_at_fork.clear()
+    _all_lock.release()
+    _leases.lock.release()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child only the thread that forked exists: the tapes the
+    other threads had open will never close, and must not bind it (refuse
+    its writes to variables they read, keep the patches from ``uninstall``,
+    keep the descriptor served). Their scopes and leases go."""
+    global _active_at
+    try:
+        _leases.forget_other_threads()
+        me = threading.get_ident()
+        gone = [scope for scope in _all_scopes if scope.thread != me]
+        for scope in gone:
+            _all_scopes.remove(scope)
+            _with_unnamed.discard(id(scope))
+        if gone and not _with_unnamed:
+            _check_reads(False)
+        if gone and not _all_scopes:
+            _serve_versions(False)
+            _active_at = time.monotonic()
+        # Plain tapes open there (beside a tape of ours), never closed here.
+        for tape in _open_elsewhere_at_fork:
+            if tape is not None:
+                _leases.plain.discard(tape)
+        for thread in list(_plain_by_thread.keys()):
+            if thread != me:
+                _plain_by_thread.pop(thread, None)
+        # Tapes closed there: none can be entered again in that thread. (One
+        # entered again here does not see the writes made here while it was
+        # closed as such: see the README's known limits.)
+        for r in list(_closed_records()):
+            if getattr(r, "closed_in", me) != me:
+                closed_tapes.discard(r)
+    finally:
+        _after_fork_in_parent()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def open_elsewhere() -> bool:

@@ -102,3 +102,85 @@ def test_a_refused_read_in_tensorflows_fast_path_raises_and_does_not_crash():
     assert all(line.endswith(" refused") for line in cases), cases
     after = _lines(done.stdout, "AFTER ")
     assert all(line.endswith(" 36.0 True") for line in after), after
+
+
+# Another thread has tapes open (ours, a plain tape around it, one of ours
+# closed inside it, an accumulator) that read and wrote ``v``, when the main
+# thread forks. In the child, which has only the forking thread: a write of
+# ``v`` outside every tape is plain TensorFlow, a tape differentiates through
+# a write as the rewrite does, and uninstall() succeeds. The child reports by
+# its exit code (a bit per failed check) and its output.
+_FORK = """
+    import os, sys, threading, time
+    import tensorflow as tf
+    from assigntape import AssignAwareTape, uninstall
+
+    v = tf.Variable(1.0)
+    opened, finish = threading.Event(), threading.Event()
+
+    def worker():
+        with tf.autodiff.ForwardAccumulator(v, tf.constant(1.0)):
+            with tf.GradientTape() as outer:
+                with AssignAwareTape() as closed:
+                    v.assign(v * 2.0)
+                with AssignAwareTape() as tape:
+                    y = v * 3.0
+                    opened.set()
+                    finish.wait()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    opened.wait()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            v.assign(5.0)
+            if float(v.read_value()) != 5.0:
+                code |= 1
+        except Exception as e:
+            print("CHILD write:", type(e).__name__, e, flush=True)
+            code |= 1
+        try:
+            a, w = tf.Variable(2.0), tf.Variable(0.0)
+            with AssignAwareTape() as tape:
+                w.assign(3.0 * a)
+                v.assign(w + 1.0)
+                y = w * v
+            # The rewrite: w = 3a, v = w + 1, y = w v: dy/da = 3 (v + w) = 3 (13) = 39.
+            if float(tape.gradient(y, a)) != 39.0:
+                code |= 2
+            del tape
+        except Exception as e:
+            print("CHILD tape:", type(e).__name__, e, flush=True)
+            code |= 2
+        try:
+            uninstall()
+        except Exception as e:
+            print("CHILD uninstall:", type(e).__name__, e, flush=True)
+            code |= 4
+        os._exit(code)
+    deadline = time.monotonic() + 240
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            done, status = os.waitpid(pid, 0)
+            break
+        time.sleep(0.05)
+    print("CHILD EXIT", os.waitstatus_to_exitcode(status), flush=True)
+    # The parent is unaffected: its thread's tapes close as usual.
+    finish.set()
+    thread.join()
+    uninstall()
+    print("PARENT OK", flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork")
+def test_a_forked_child_is_not_bound_by_tapes_of_threads_it_does_not_have():
+    done = _run_python(_FORK)
+    assert done.returncode == 0, f"{done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
+    assert "CHILD EXIT 0" in done.stdout and "PARENT OK" in done.stdout, done.stdout
