@@ -378,6 +378,8 @@ def _install() -> None:
         if not hasattr(group.owner, "_fastdict_insert"):
             # (tf.compat.v1.raw_ops, slow to set, keeps its dormant wrappers.)
             _versions.switches.append(lambda on, group=group: group.put(group.wrappers if on else group.originals))
+    global _installed
+    _installed = True
 
 
 def _serve_short_paths() -> None:
@@ -448,13 +450,21 @@ def _uninstall() -> None:
 def acquire(holder: Any = None) -> None:
     """``holder`` (an open tape's record) needs the patches: the first
     installs them. With no holder, only installs them."""
-    global _installed
-    with _leases.lock:
-        if not _installed:
-            _install()
-            _installed = True
-        if holder is not None:
-            _leases.take(holder)
+    # (One line: see _versions._list.)
+    with _leases.lock: _acquire_locked(holder)  # noqa: E701
+
+
+def _acquire_locked(holder: Any) -> None:
+    if not _installed:
+        try:
+            _install()  # sets _installed, as its last step
+        except BaseException:
+            # Interrupted (a KeyboardInterrupt): all or nothing, or the
+            # next install would wrap the wrappers put in place so far.
+            _uninstall()
+            raise
+    if holder is not None:
+        _leases.take(holder)
 
 
 def release(holder: Any) -> None:

@@ -107,6 +107,15 @@ def enter_method(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def __enter__(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
+        # All or nothing: an exception from here on (a KeyboardInterrupt)
+        # pops the tape TensorFlow pushed and forgets it. (One line: the
+        # ``try`` line's own line event is then inside it.)
+        try: return note(self, result)  # noqa: E701
+        except BaseException:
+            _undo_entry(self)
+            raise
+
+    def note(self: Any, result: Any) -> Any:
         if type(self) is GRADIENT_TAPE and not _all_scopes and not _closed_records:
             opened = getattr(tls, "plain", None)
             (_open_plain() if opened is None else opened).append((ref(self), key()))
@@ -117,12 +126,31 @@ def enter_method(original: Callable[..., Any]) -> Callable[..., Any]:
     return like(__enter__, original, entered)
 
 
+def _undo_entry(instance: Any) -> None:
+    """After an interrupted ``__enter__`` of a plain tape: it is not open."""
+    _forget_open(instance)
+    _versions.release_holder(instance)
+    if getattr(instance, "_recording", False):
+        instance._pop_tape()
+
+
 def exit_method(original: Callable[..., Any]) -> Callable[..., Any]:
     """What goes in place of ``GradientTape.__exit__``: TensorFlow's, then
     ``exited``, with the same case written out as in ``enter_method``."""
     tls = _versions._tls
 
     def __exit__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Exiting always finishes: after an exception at any point of it (a
+        # KeyboardInterrupt), TensorFlow's exit and ``exited`` run again
+        # (each can), then it goes on. (One line: see ``enter_method``.)
+        try: return close(self, args, kwargs)  # noqa: E701
+        except BaseException:
+            if getattr(self, "_recording", False):
+                self._pop_tape()
+            exited(self)
+            raise
+
+    def close(self: Any, args: Any, kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         if type(self) is GRADIENT_TAPE and not _all_scopes and not _closed_records:
             opened = getattr(tls, "plain", None)

@@ -151,6 +151,19 @@ class Record:
         found = self.owners.get(id(handle))
         return self.start_owners[uid] if found is None else found
 
+    def state(self) -> Tuple[Any, ...]:
+        """A copy of what the tape's entry may change, for ``put_back``."""
+        return (
+            dict(self.start), dict(self.start_owners), {k: list(v) for k, v in self.versions.items()}, dict(self.owners),
+            {k: list(v) for k, v in self.writes.items()}, list(self.escapes), dict(self.written_while_closed),
+            set(self.unseen_at_exit), dict(self.suspects), self.foreign_first,
+        )
+
+    def put_back(self, state: Tuple[Any, ...]) -> None:
+        """The record as ``state`` had it (an interrupted entry undone)."""
+        (self.start, self.start_owners, self.versions, self.owners, self.writes, self.escapes,
+         self.written_while_closed, self.unseen_at_exit, self.suspects, self.foreign_first) = state
+
     def restart(self, current: Dict[str, Any], owners: Dict[int, Any]) -> None:
         """Forgets every version (``reset()``); ``current`` (unique id ->
         handle, ``owners`` id(handle) -> variable) starts the tape anew."""

@@ -126,6 +126,38 @@ class Scope:
         # opened, through a handle no tape could name (``unknown_variable_write``).
         self.unnamed: Dict[int, Tuple[Any, str]] = {}
 
+    def state(self, full: bool) -> Tuple[Any, ...]:
+        """What a tape's entry may change here (``full``: a tape entered
+        again; else only the records), for ``put_back``."""
+        records = list(self.records)
+        if not full:
+            return (records,)
+        return (
+            records, dict(self.current), dict(self.owners), len(self.pinned), set(self.seen), dict(self.canonical),
+            {k: (own, list(closed)) for k, (own, closed) in self.dirty.items()},
+            {k: (h, var, made, list(knowing)) for k, (h, var, made, knowing) in self.resumed.items()},
+        )
+
+    def put_back(self, state: Tuple[Any, ...]) -> None:
+        """The scope as ``state`` had it (an interrupted tape entry undone)."""
+        self.records[:] = state[0]
+        if len(state) == 1:
+            return
+        _, current, owners, pinned, seen, canonical, dirty, resumed = state
+        self.current.clear()
+        self.current.update(current)
+        self.owners.clear()
+        self.owners.update(owners)
+        del self.pinned[pinned:]
+        self.seen.clear()
+        self.seen.update(seen)
+        self.canonical.clear()
+        self.canonical.update(canonical)
+        self.dirty.clear()
+        self.dirty.update(dirty)
+        self.resumed.clear()
+        self.resumed.update(resumed)
+
     def current_versions(self, recorder: Any = None) -> Dict[str, Any]:
         """``current``, and the versions ``recorder`` (a tape, or a record)
         entered again goes on from, which become current at their variables'
@@ -217,15 +249,25 @@ def open_scope(tape_record: Record) -> Scope:
     return scope
 
 
+# The lock regions on a tape's way in and out are one-line ``with``
+# statements around a function: an exception (a KeyboardInterrupt) can then
+# land before the lock is taken, or in the function, whose exit releases it,
+# but not between the block's last line and the release (a line event of the
+# ``with`` line itself), which would leave it held for good.
+
+
 def _list(scope: Scope) -> None:
+    with _all_lock: _list_locked(scope)  # noqa: E701 - see above
+
+
+def _list_locked(scope: Scope) -> None:
     global _active_at
-    with _all_lock:
-        _all_scopes.append(scope)
-        if len(_all_scopes) == 1:
-            _serve_versions(True)
-            _active_at = time.monotonic()
-            if not _switched:
-                _switch(True)
+    _all_scopes.append(scope)
+    if len(_all_scopes) == 1:
+        _serve_versions(True)
+        _active_at = time.monotonic()
+        if not _switched:
+            _switch(True)
 
 
 def _serve_versions(on: bool) -> None:
@@ -305,14 +347,17 @@ def hold_closed(tape_record: Record) -> None:
     """A tape closes and may be entered again (or asked for gradients): its
     record notes the writes made meanwhile, so the write patches must be in
     place while it lives."""
+    with _all_lock: _hold_closed_locked(tape_record)  # noqa: E701 - see _list
+
+
+def _hold_closed_locked(tape_record: Record) -> None:
     global _active_at
-    with _all_lock:
-        closed_tapes.add(tape_record)
-        # (A forked child forgets the tapes other threads closed: ``_after_fork_in_child``.)
-        tape_record.closed_in = threading.get_ident()
-        _active_at = time.monotonic()
-        if not _switched:
-            _switch(True)
+    closed_tapes.add(tape_record)
+    # (A forked child forgets the tapes other threads closed: ``_after_fork_in_child``.)
+    tape_record.closed_in = threading.get_ident()
+    _active_at = time.monotonic()
+    if not _switched:
+        _switch(True)
 
 
 _serving = False
@@ -368,12 +413,47 @@ def close_scope(scope: Scope, tape_record: Record, holders: Sequence[Any] = ()) 
     """Unregisters ``tape``; the last tape out drops the scope's versions,
     unless ``holders`` (plain tapes, forward accumulators open around it)
     keep them until they close (``release_holder``)."""
+    # The holders first: the tape's exit, interrupted after the removal, is
+    # finished by ``finish_close``, which must find them.
+    if holders and all(r is tape_record for r in scope.records):
+        scope.holders = list(holders)
     scope.records.remove(tape_record)
-    if not scope.records:
-        if holders:
-            scope.holders = list(holders)
-        else:
+    if not scope.records and not scope.holders:
+        _drop(scope)
+
+
+def finish_close(scope: Scope, tape_record: Record, holders: Sequence[Any] = ()) -> None:
+    """``close_scope``, to finish a tape's exit that was interrupted (a
+    ``KeyboardInterrupt``) at any point in it, or before it."""
+    if any(r is tape_record for r in scope.records):
+        close_scope(scope, tape_record, holders)
+    elif not scope.records and not scope.holders:
+        _drop(scope)
+
+
+def abandon_scope(key: Any, tape_record: Record, before: Optional[Tuple[Scope, Tuple[Any, ...]]]) -> None:
+    """Undoes an interrupted entry of the tape of ``tape_record`` in the scope
+    of ``key``: ``before`` is ``scope_state(key)`` taken before it (None: the
+    scope did not exist), or the scope is only left by the record."""
+    scope = _scopes().get(key)
+    if scope is None:
+        scope = next((s for s in _all_scopes if s.key is key and s.thread == threading.get_ident()), None)
+        if scope is None:
+            return
+    if before is None or before[0] is not scope:
+        # Made by the entry (or listed, not yet in this thread's dict): it goes.
+        scope.records[:] = [r for r in scope.records if r is not tape_record]
+        if not scope.records and not scope.holders:
             _drop(scope)
+        return
+    scope.put_back(before[1])
+
+
+def scope_state(key: Any, full: bool) -> Optional[Tuple[Scope, Tuple[Any, ...]]]:
+    """This thread's scope of ``key`` and, if ``full``, a copy of what a tape
+    entered again changes there (else only its records), for ``abandon_scope``."""
+    scope = _scopes().get(key)
+    return None if scope is None else (scope, scope.state(full))
 
 
 def held_by(holder: Any) -> Dict[str, Tuple[Any, Any]]:
@@ -524,8 +604,16 @@ def release_holder(instance: Any) -> None:
 
 
 def _drop(scope: Scope) -> None:
-    """Forgets ``scope``'s versions and unregisters it."""
-    global _active_at
+    """Forgets ``scope``'s versions and unregisters it. Each step can be run
+    again, and the scope stays found (in this thread's scopes, with its
+    holders) until it is unlisted everywhere: an interrupted tape exit
+    finishes by dropping it once more (``finish_close``, ``release_holder``)."""
+    with _all_lock: _unlist_locked(scope)  # noqa: E701 - see _list
+    scopes = _scopes()
+    if scopes.get(scope.key) is scope:
+        del scopes[scope.key]
+    if _with_unnamed:
+        with _all_lock: _unlist_unnamed_locked(scope)  # noqa: E701 - see _list
     scope.current.clear()
     scope.owners.clear()
     scope.pinned.clear()
@@ -534,18 +622,22 @@ def _drop(scope: Scope) -> None:
     scope.dirty.clear()
     scope.resumed.clear()
     scope.unnamed.clear()
-    if _with_unnamed:
-        with _all_lock:
-            _with_unnamed.discard(id(scope))
-            if not _with_unnamed:
-                _check_reads(False)
     scope.holders = []
-    _scopes().pop(scope.key, None)
-    with _all_lock:
+
+
+def _unlist_unnamed_locked(scope: Scope) -> None:
+    _with_unnamed.discard(id(scope))
+    if not _with_unnamed:
+        _check_reads(False)
+
+
+def _unlist_locked(scope: Scope) -> None:
+    global _active_at
+    if any(s is scope for s in _all_scopes):
         _all_scopes.remove(scope)
-        if not _all_scopes:
-            _serve_versions(False)
-            _active_at = time.monotonic()
+    if not _all_scopes:
+        _serve_versions(False)
+        _active_at = time.monotonic()
 
 
 def open_here() -> bool:

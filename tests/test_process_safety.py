@@ -184,3 +184,187 @@ def test_a_forked_child_is_not_bound_by_tapes_of_threads_it_does_not_have():
     done = _run_python(_FORK)
     assert done.returncode == 0, f"{done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
     assert "CHILD EXIT 0" in done.stdout and "PARENT OK" in done.stdout, done.stdout
+
+
+# -- an exception at every line of a tape's way in and out ----------------------
+
+
+class _Injected(KeyboardInterrupt):
+    """What the sweep raises, as a signal handler's KeyboardInterrupt would."""
+
+
+class _Injector:
+    """Raises ``_Injected`` at the ``n``th line executed in assigntape's
+    modules while armed (``sys.settrace``)."""
+
+    def __init__(self, n: int) -> None:
+        import assigntape
+
+        self.package = os.path.dirname(assigntape.__file__)
+        self.n, self.count, self.fired, self.armed = n, 0, False, 0
+
+    def trace(self, frame, event, arg):
+        return self.line if frame.f_code.co_filename.startswith(self.package) else None
+
+    def line(self, frame, event, arg):
+        if event == "line" and self.armed and not self.fired:
+            self.count += 1
+            if self.count == self.n:
+                self.fired = True
+                raise _Injected(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+        return self.line
+
+
+class _Armed:
+    """``recorder`` as a context manager whose ``__enter__`` and / or
+    ``__exit__`` (``which``) run with the injector armed."""
+
+    def __init__(self, recorder, injector: _Injector, which) -> None:
+        self.recorder, self.injector, self.which = recorder, injector, which
+
+    def _armed(self, name, call):
+        if name not in self.which:
+            return call()
+        self.injector.armed += 1
+        try:
+            return call()
+        finally:
+            self.injector.armed -= 1
+
+    def __enter__(self):
+        return self._armed("enter", self.recorder.__enter__)
+
+    def __exit__(self, *exc):
+        return self._armed("exit", lambda: self.recorder.__exit__(*exc))
+
+
+def _ours(inj, which, a, w):
+    from assigntape import AssignAwareTape
+
+    with _Armed(AssignAwareTape(), inj, which.get("tape", ())) as tape:
+        w.assign(3.0 * a)
+        y = w * w
+    return tape.gradient(y, a)
+
+
+def _plain_around(inj, which, a, w):
+    import tensorflow as tf
+    from assigntape import AssignAwareTape
+
+    with _Armed(tf.GradientTape(), inj, which.get("outer", ())) as outer:
+        with _Armed(AssignAwareTape(), inj, which.get("tape", ())):
+            w.assign(3.0 * a)
+            y = w * w
+    return outer.gradient(y, a)
+
+
+def _plain_inside(inj, which, a, w):
+    import tensorflow as tf
+    from assigntape import AssignAwareTape
+
+    with _Armed(AssignAwareTape(), inj, which.get("tape", ())):
+        with _Armed(tf.GradientTape(), inj, which.get("inner", ())) as inner:
+            w.assign(3.0 * a)
+            y = w * w
+    return inner.gradient(y, a)
+
+
+def _entered_again(inj, which, a, w):
+    from assigntape import AssignAwareTape
+
+    tape = AssignAwareTape(persistent=True)
+    with tape:
+        w.assign(3.0 * a)
+    with _Armed(tape, inj, which.get("tape", ())):
+        y = w * w
+    return tape.gradient(y, a)
+
+
+_STEPS = {
+    "ours": _ours,
+    "plain_around": _plain_around,
+    "plain_inside": _plain_inside,
+    "entered_again": _entered_again,
+}
+
+_SWEEPS = [
+    ("ours", {"tape": ("enter",)}),
+    ("ours", {"tape": ("exit",)}),
+    ("plain_around", {"outer": ("enter",)}),
+    ("plain_around", {"tape": ("enter", "exit")}),
+    # Known, left: an exception at some lines of the exit of a plain tape that
+    # held versions (after ``exited``'s first steps) leaves the next tape's
+    # gradient through a write at one path of two (18 where the rewrite gives 36).
+    pytest.param("plain_around", {"outer": ("exit",)}, marks=pytest.mark.xfail(reason="plain tape's exit: not yet transactional", strict=True)),
+    ("plain_inside", {"inner": ("enter", "exit")}),
+    ("plain_inside", {"tape": ("exit",)}),
+    ("entered_again", {"tape": ("enter",)}),
+    ("entered_again", {"tape": ("exit",)}),
+]
+
+
+def _state_is_right() -> List[str]:
+    """After an interrupted step: a next tape differentiates through a write
+    as the rewrite does, ``v.handle`` outside every tape is the variable's
+    own handle, and ``uninstall()`` succeeds (then the patches go back)."""
+    import tensorflow as tf
+    from assigntape import AssignAwareTape, _patches, _versions, uninstall
+
+    problems = []
+    a, w = tf.Variable(2.0), tf.Variable(0.0)
+    try:
+        with AssignAwareTape() as tape:
+            w.assign(3.0 * a)
+            y = w * w
+        grad = tape.gradient(y, a)  # the rewrite: y = (3a)^2, dy/da = 18a = 36
+        if grad is None or float(grad) != 36.0:
+            problems.append(f"next gradient {grad}")
+        del tape
+    except Exception as e:
+        problems.append(f"next tape: {type(e).__name__}: {e}")
+    if w.handle is not w.__dict__["_handle"]:
+        problems.append("v.handle is a version outside every tape")
+    if _versions._all_scopes:
+        problems.append(f"{len(_versions._all_scopes)} scope(s) listed outside every tape")
+    try:
+        if _patches.remove_unused():  # uninstall() without its slow garbage collection first
+            uninstall()
+    except Exception as e:
+        problems.append(f"uninstall: {e}")
+    try:
+        with AssignAwareTape():
+            pass  # installed again, so that the swept entry is a tape's, not the install's
+    except Exception as e:
+        problems.append(f"install again: {e}")
+    return problems
+
+
+def _sweep_id(step: str, which) -> str:
+    return f"{step}-{'-'.join(f'{k}.{v}' for k, vs in which.items() for v in vs)}"
+
+
+@pytest.mark.parametrize("step,which", _SWEEPS, ids=[_sweep_id(*(p.values if hasattr(p, "values") else p)) for p in _SWEEPS])
+def test_an_exception_at_any_line_of_a_tapes_entry_or_exit_leaves_the_state_right(step, which):
+    import tensorflow as tf
+
+    assert not _state_is_right()
+    failures = []
+    previous = sys.gettrace()
+    for n in range(1, 2000):
+        injector = _Injector(n)
+        a, w = tf.Variable(2.0), tf.Variable(0.0)
+        sys.settrace(injector.trace)
+        try:
+            _STEPS[step](injector, which, a, w)
+        except _Injected:
+            pass
+        finally:
+            sys.settrace(previous)
+        del a, w
+        problems = _state_is_right()
+        if problems:
+            failures.append((n, problems))
+        if not injector.fired:
+            break  # the step ran whole: every line was swept
+    assert n > 10 and not injector.fired
+    assert not failures, failures[:5]
