@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from assigntape._tf import forwardprop, nest, pywrap_tfe
-
 from assigntape import _patches, _versions
 from assigntape._tape import AssignAwareTape
+from assigntape._tf import forwardprop, nest, pywrap_tfe
 
 __all__ = ["ForwardAccumulator"]
 
@@ -88,7 +87,6 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
         # notes this accumulator (it must hold the versions once the tape
         # inside closes, for jvp after the block; see _plain_tapes).
         _patches.acquire()
-        _patches.release()
         super().__enter__()
         if self._writes is not None:  # (not while __init__ watches)
             try:

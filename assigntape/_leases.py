@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Set
+from typing import Any, Dict, Set, Tuple
 
-__all__ = ["lock", "take", "give", "count", "closed", "closed_refs", "plain"]
+__all__ = ["lock", "take", "give", "count", "closed", "closed_refs", "plain", "forget_other_threads"]
 
 # Reentrant: ``_patches`` installs and takes its lease under it in one step.
 lock = threading.RLock()
-_count = 0
+# The open tapes (by their records), each with the thread that opened it:
+# id(holder) -> (holder, thread). Taking and giving a lease is idempotent,
+# so that a tape's enter or exit interrupted on either side of it can be
+# undone without knowing which side (``AssignAwareTape.__enter__``); and a
+# forked child forgets the leases of the threads that do not exist in it.
+_open: Dict[int, Tuple[Any, int]] = {}
 # The records of closed tapes that may be entered again or asked for
 # gradients; a record lives as long as its tape. While any is here the
 # patches stay active, to note the writes made meanwhile (``_versions``).
@@ -33,20 +38,31 @@ closed_refs: Set[Any] = closed.data  # type: ignore[attr-defined]
 plain: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-def take() -> None:
-    """One more holder."""
-    global _count
-    with lock:
-        _count += 1
+def take(holder: Any) -> None:
+    """``holder`` (an open tape's record) needs the patches; again: no change."""
+    _open[id(holder)] = (holder, threading.get_ident())
 
 
-def give() -> None:
-    """One holder fewer (a finalizer may call it at any time)."""
-    global _count
-    with lock:
-        _count -= 1
+def give(holder: Any) -> None:
+    """``holder`` no longer does (a finalizer may call it at any time); again: no change."""
+    _open.pop(id(holder), None)
+
+
+def holds(holder: Any) -> bool:
+    """Whether ``holder`` has a lease."""
+    found = _open.get(id(holder))
+    return found is not None and found[0] is holder
 
 
 def count() -> int:
     """Open tapes, closed tapes, and plain tapes that ran beside one."""
-    return _count + len(closed) + len(plain)
+    return len(_open) + len(closed) + len(plain)
+
+
+def forget_other_threads() -> None:
+    """In a forked child: the leases of the tapes opened by threads other than
+    this one, which do not exist here and will never close them, go."""
+    me = threading.get_ident()
+    for key, (_, thread) in list(_open.items()):
+        if thread != me:
+            del _open[key]

@@ -30,15 +30,32 @@ import sys
 from typing import Any, Callable, Dict, List, Tuple
 
 import tensorflow as tf
+
+from assigntape import (
+    _control_flow,
+    _datasets,
+    _diagnostics,
+    _distribute,
+    _functions,
+    _fused,
+    _jvp,
+    _leases,
+    _plain_tapes,
+    _py_functions,
+    _rules,
+    _saving,
+    _short_paths,
+    _versions,
+    _writes,
+)
 from assigntape._tf import (
+    ConcreteFunction,
     UnliftedInitializerVariable,
     array_ops,
-    ConcreteFunction,
     cond_v2,
     dataset_ops,
     distribute_lib,
     distribute_values,
-    mirrored_run,
     eager_tape,
     forwardprop,
     gen_array_ops,
@@ -48,6 +65,7 @@ from assigntape._tf import (
     gen_training_ops,
     gradients_util,
     iterator_ops,
+    mirrored_run,
     ops,
     parallel_for,
     pywrap_tfe,
@@ -59,11 +77,17 @@ from assigntape._tf import (
     tpu_ops,
     while_v2,
 )
-
-from assigntape import _control_flow, _datasets, _diagnostics, _distribute, _functions, _fused, _jvp, _leases, _plain_tapes, _py_functions, _rules, _saving, _short_paths, _versions, _writes
 from assigntape._wrapping import Place, Wrapper, patch
 
-__all__ = ["acquire", "follow_plain_tapes", "installed", "refuse_unfollowed_recorders", "release", "remove_unused", "uninstall"]
+__all__ = [
+    "acquire",
+    "follow_plain_tapes",
+    "installed",
+    "refuse_unfollowed_recorders",
+    "release",
+    "remove_unused",
+    "uninstall",
+]
 
 _installed = False
 # The places of the attribute patches in place (or, for the read checks, ready).
@@ -226,6 +250,10 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (gen_dataset_ops, "reduce_dataset", _datasets.reduce_op),
         # Reads of variables written through handles no tape could name (_versions).
         (eager_tape, "variable_accessed", _versions.accessed),
+        # An op that failed in C++ (every generated op wrapper raises through
+        # it): where an error the handle descriptor, which TensorFlow's C++
+        # code calls, could not raise is raised (_versions.defer).
+        (ops, "raise_from_not_ok_status", _versions.not_ok_status),
         # A variable made in a tf.function's first trace initializes itself
         # with a write in the graph, which is not the tape's (_versions).
         (UnliftedInitializerVariable, "__init__", _versions.constructing),
@@ -381,6 +409,8 @@ def _install() -> None:
         if not hasattr(group.owner, "_fastdict_insert"):
             # (tf.compat.v1.raw_ops, slow to set, keeps its dormant wrappers.)
             _versions.switches.append(group.put)
+    global _installed
+    _installed = True
 
 
 def _serve_short_paths() -> None:
@@ -448,19 +478,30 @@ def _uninstall() -> None:
         _saved.pop().put(False)
 
 
-def acquire() -> None:
-    """One more tape that needs the patches; the first installs them."""
-    global _installed
+def acquire(holder: Any = None) -> None:
+    """``holder`` (an open tape's record) needs the patches: the first
+    installs them. With no holder, only installs them."""
+    # (One line: see _versions._list.)
     with _leases.lock:
-        if not _installed:
-            _install()
-            _installed = True
-        _leases.take()
+        _acquire_locked(holder)  # noqa: E701
 
 
-def release() -> None:
-    """One tape fewer. The patches stay (dormant) until ``uninstall``."""
-    _leases.give()
+def _acquire_locked(holder: Any) -> None:
+    if not _installed:
+        try:
+            _install()  # sets _installed, as its last step
+        except BaseException:
+            # Interrupted (a KeyboardInterrupt): all or nothing, or the
+            # next install would wrap the wrappers put in place so far.
+            _uninstall()
+            raise
+    if holder is not None:
+        _leases.take(holder)
+
+
+def release(holder: Any) -> None:
+    """``holder`` no longer does. The patches stay (dormant) until ``uninstall``."""
+    _leases.give(holder)
 
 
 def uninstall() -> None:

@@ -28,16 +28,40 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
-from assigntape._tf import ControlFlowFuncGraph, array_ops, backprop, forwardprop, gen_resource_variable_ops, nest, UnconnectedGradients
-
 from assigntape import _control_flow, _leases, _versions
 from assigntape._errors import ControlFlowWriteError
 from assigntape._record import Record
+from assigntape._tf import (
+    ControlFlowFuncGraph,
+    UnconnectedGradients,
+    array_ops,
+    backprop,
+    forwardprop,
+    gen_resource_variable_ops,
+    nest,
+)
 from assigntape._wrapping import bind, binds, like
 
 __all__ = [
-    "GRADIENT_TAPE", "accumulator_enter", "accumulator_exit", "accumulator_jvp", "enter_method", "entered", "exit_method", "exited", "gradient", "jacobian", "lease",
-    "note_closing", "open_anywhere", "ours", "refuse_recorders_outside_body", "reset", "tensorflows_gradient", "unfollowed", "watched_variables",
+    "GRADIENT_TAPE",
+    "accumulator_enter",
+    "accumulator_exit",
+    "accumulator_jvp",
+    "enter_method",
+    "entered",
+    "exit_method",
+    "exited",
+    "gradient",
+    "jacobian",
+    "lease",
+    "note_closing",
+    "open_anywhere",
+    "ours",
+    "refuse_recorders_outside_body",
+    "reset",
+    "tensorflows_gradient",
+    "unfollowed",
+    "watched_variables",
 ]
 
 _START = "_assigntape_start"
@@ -107,6 +131,16 @@ def enter_method(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def __enter__(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
+        # All or nothing: an exception from here on (a KeyboardInterrupt)
+        # pops the tape TensorFlow pushed and forgets it. (One line: the
+        # ``try`` line's own line event is then inside it.)
+        try:
+            return note(self, result)  # noqa: E701
+        except BaseException:
+            _undo_entry(self)
+            raise
+
+    def note(self: Any, result: Any) -> Any:
         if type(self) is GRADIENT_TAPE and not _all_scopes and not _closed_records:
             opened = getattr(tls, "plain", None)
             (_open_plain() if opened is None else opened).append((ref(self), key()))
@@ -117,12 +151,32 @@ def enter_method(original: Callable[..., Any]) -> Callable[..., Any]:
     return like(__enter__, original, entered)
 
 
+def _undo_entry(instance: Any) -> None:
+    """After an interrupted ``__enter__`` of a plain tape: it is not open."""
+    _forget_open(instance)
+    _versions.release_holder(instance)
+    if getattr(instance, "_recording", False):
+        instance._pop_tape()
+
+
 def exit_method(original: Callable[..., Any]) -> Callable[..., Any]:
     """What goes in place of ``GradientTape.__exit__``: TensorFlow's, then
     ``exited``, with the same case written out as in ``enter_method``."""
     tls = _versions._tls
 
     def __exit__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Exiting always finishes: after an exception at any point of it (a
+        # KeyboardInterrupt), TensorFlow's exit and ``exited`` run again
+        # (each can), then it goes on. (One line: see ``enter_method``.)
+        try:
+            return close(self, args, kwargs)  # noqa: E701
+        except BaseException:
+            if getattr(self, "_recording", False):
+                self._pop_tape()
+            exited(self)
+            raise
+
+    def close(self: Any, args: Any, kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         if type(self) is GRADIENT_TAPE and not _all_scopes and not _closed_records:
             opened = getattr(tls, "plain", None)
@@ -440,9 +494,14 @@ def _asks_tensorflow(instance: Any, args: Any, kwargs: Any) -> bool:
     if start or _REBASED in notes:
         return False
     arguments = bind(_GRADIENT_PARAMS, args, kwargs)
-    return _versions.plain_question(
-        arguments.get("target"), arguments.get("sources"), arguments.get("unconnected_gradients", UnconnectedGradients.NONE)
-    ) and _versions.serves_own_handles()
+    return (
+        _versions.plain_question(
+            arguments.get("target"),
+            arguments.get("sources"),
+            arguments.get("unconnected_gradients", UnconnectedGradients.NONE),
+        )
+        and _versions.serves_own_handles()
+    )
 
 
 def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -473,7 +532,9 @@ def _mapped_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwar
     if rebased:
         # Their versions at its entry are watched for it; a variable it was
         # never told to watch gets what TensorFlow gives: no gradient.
-        watched = {v._unique_id for v in map(_versions.gradient_variable, instance.watched_variables()) if v is not None}
+        watched = {
+            v._unique_id for v in map(_versions.gradient_variable, instance.watched_variables()) if v is not None
+        }
         for i, s in enumerate(flat):
             var = _versions.gradient_variable(s)
             if var is not None and var._unique_id in rebased and var._unique_id not in watched:

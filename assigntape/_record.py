@@ -72,6 +72,9 @@ class Record:
         # Whether some variable's first version here is not its own handle
         # (``versions_start_own``).
         self.foreign_first = False
+        # The thread that closed the tape last (a forked child forgets the
+        # records other threads closed).
+        self.closed_in: Optional[int] = None
 
     # -- the tape's TensorFlow side --------------------------------------------
 
@@ -155,6 +158,36 @@ class Record:
         """The variable behind ``handle``, a version here or the start one of ``uid``."""
         found = self.owners.get(id(handle))
         return self.start_owners[uid] if found is None else found
+
+    def state(self) -> Tuple[Any, ...]:
+        """A copy of what the tape's entry may change, for ``put_back``."""
+        return (
+            dict(self.start),
+            dict(self.start_owners),
+            {k: list(v) for k, v in self.versions.items()},
+            dict(self.owners),
+            {k: list(v) for k, v in self.writes.items()},
+            list(self.escapes),
+            dict(self.written_while_closed),
+            set(self.unseen_at_exit),
+            dict(self.suspects),
+            self.foreign_first,
+        )
+
+    def put_back(self, state: Tuple[Any, ...]) -> None:
+        """The record as ``state`` had it (an interrupted entry undone)."""
+        (
+            self.start,
+            self.start_owners,
+            self.versions,
+            self.owners,
+            self.writes,
+            self.escapes,
+            self.written_while_closed,
+            self.unseen_at_exit,
+            self.suspects,
+            self.foreign_first,
+        ) = state
 
     def restart(self, current: Dict[str, Any], owners: Dict[int, Any]) -> None:
         """Forgets every version (``reset()``); ``current`` (unique id ->

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
-from assigntape._tf import array_ops, gen_resource_variable_ops, nest, resource_variable_ops, tensor_lib, UnconnectedGradients
 
 from assigntape import _control_flow, _diagnostics, _patches, _plain_tapes, _record, _versions
 from assigntape._errors import NotAVariableError
+from assigntape._tf import (
+    UnconnectedGradients,
+    array_ops,
+    gen_resource_variable_ops,
+    nest,
+    resource_variable_ops,
+    tensor_lib,
+)
 
 # The class of (nearly) every variable: a source of that exact type is asked
 # nothing more (not ``isinstance``: subclasses may wrap another variable).
@@ -70,9 +77,7 @@ class AssignAwareTape(tf.GradientTape):
         untracked_writes: str = "raise",
     ) -> None:
         if untracked_writes not in ("raise", "cut"):
-            raise ValueError(
-                f"untracked_writes must be 'raise' or 'cut', got {untracked_writes!r}"
-            )
+            raise ValueError(f"untracked_writes must be 'raise' or 'cut', got {untracked_writes!r}")
         super().__init__(persistent=persistent, watch_accessed_variables=watch_accessed_variables)
         self._untracked_writes = untracked_writes
         self._scope: Optional[_versions.Scope] = None
@@ -86,16 +91,53 @@ class AssignAwareTape(tf.GradientTape):
     # -- context ---------------------------------------------------------------
 
     def __enter__(self) -> "AssignAwareTape":
+        if self._recording:
+            super().__enter__()  # TensorFlow's error: the tape is open already
+        # Entering is all or nothing: an exception at any point of it (a
+        # KeyboardInterrupt from a signal handler) puts back what it changed.
+        record, tape, entered, key = self._record, self._tape, self._entered, _versions.current_key()
+        closed = record in _versions.closed_tapes
+        # What entering again changes (first entries change only the scope's
+        # records and the record's start, which a tape not entered has empty).
+        before = (
+            (_versions.scope_state(key, True), record.state()) if entered else (_versions.scope_state(key, False), None)
+        )
+        try:
+            self._enter(record)
+            return self
+        except BaseException:
+            self._undo_enter(record, tape, entered, key, closed, before)
+            raise
+
+    def _undo_enter(
+        self, record: _record.Record, tape: Any, entered: bool, key: Any, closed: bool, before: Any
+    ) -> None:
+        """Puts back what an interrupted ``__enter__`` changed (each step
+        whether or not it was reached)."""
+        self._scope = None
+        _versions.abandon_scope(key, record, before[0])
+        if before[1] is not None:
+            record.put_back(before[1])
+        elif not entered:
+            record.restart({}, {})
+        self._entered = entered
+        if closed:
+            self._start_lease()
+        _patches.release(record)
+        if self._recording:
+            self._pop_tape()
+        self._tape = tape
+
+    def _enter(self, record: _record.Record) -> None:
         _patches.refuse_unfollowed_recorders()
         super().__enter__()  # raises, with nothing acquired, if already recording
-        _patches.acquire()
+        _patches.acquire(record)
         self._end_lease()
-        record = self._record
         scope = self._scope = _versions.open_scope(record)
         if not self._entered:
             self._entered = True
             self._snapshot_start(scope)
-            return self
+            return
         # Entered again: what it recorded reads of before (its watched
         # variables) must not be written by another thread meanwhile (nor
         # what it wrote, adopted below). Not what other tapes read then.
@@ -141,28 +183,57 @@ class AssignAwareTape(tf.GradientTape):
             entry = scope.dirty.setdefault(key, (own, []))
             entry[1].append(record)
         written.clear()
-        return self
 
     def __exit__(self, typ: Any, value: Any, traceback: Any) -> None:
+        # Exiting always finishes: an exception at any point of it (a
+        # KeyboardInterrupt from a signal handler) has every step run once
+        # more (each can be), then goes on. (One line: the ``try`` line's own
+        # line event is then inside it.)
+        try:
+            self._exit(typ, value, traceback)  # noqa: E701
+        except BaseException:
+            scope = self._scope
+            if scope is not None:
+                self._close(scope)
+            raise
+        # An error the handle descriptor deferred (a read TensorFlow's C++
+        # code made, refused) that no later step raised: raised on the way out
+        # unless another is.
+        deferred = _versions.take_deferred()
+        if deferred is not None and typ is None:
+            raise deferred
+
+    def _exit(self, typ: Any, value: Any, traceback: Any) -> None:
         try:
             super().__exit__(typ, value, traceback)
         finally:
-            if self._scope is not None:
-                # Writes made while this tape was closed before and not read
-                # since it was entered again stay writes with no gradient path
-                # for it when it is entered once more (the scope forgets its
-                # note of them when its last tape closes).
-                record = self._record
-                record.unseen_at_exit = set(_versions.unseen_writes(record, ids=True))
-                for own, closed_at_write in self._scope.dirty.values():
-                    if record in closed_at_write:
-                        record.written_while_closed[id(own)] = own
-                holders = _plain_tapes.note_closing()
-                _versions.close_scope(self._scope, record, holders)
-                self._scope = None
-                if self._tape is not None:
-                    self._start_lease()
-                _patches.release()
+            scope = self._scope
+            if scope is not None:
+                self._close(scope)
+
+    def _close(self, scope: _versions.Scope) -> None:
+        """The tape's exit after TensorFlow's; ``self._scope`` stays set
+        until the last step, so that an interrupted exit can finish."""
+        if self._recording:
+            self._pop_tape()  # (TensorFlow's __exit__, if it was interrupted before it)
+        record = self._record
+        if any(r is record for r in scope.records):
+            # Writes made while this tape was closed before and not read
+            # since it was entered again stay writes with no gradient path
+            # for it when it is entered once more (the scope forgets its
+            # note of them when its last tape closes).
+            record.unseen_at_exit = set(_versions.unseen_writes(record, ids=True))
+            for own, closed_at_write in scope.dirty.values():
+                if record in closed_at_write:
+                    record.written_while_closed[id(own)] = own
+            holders = _plain_tapes.note_closing()
+            _versions.close_scope(scope, record, holders)
+        else:
+            _versions.finish_close(scope, record)
+        if self._tape is not None:
+            self._start_lease()
+        _patches.release(record)
+        self._scope = None
 
     def _start_lease(self) -> None:
         """Keeps the patches installed while the tape is closed, and has every
@@ -180,7 +251,9 @@ class AssignAwareTape(tf.GradientTape):
         _versions.forget_closed_writes(self._record)
         self._entered = self._scope is not None
         scope = self._scope
-        self._record.restart({} if scope is None else scope.current_versions(self._record), {} if scope is None else scope.owners)
+        self._record.restart(
+            {} if scope is None else scope.current_versions(self._record), {} if scope is None else scope.owners
+        )
 
     def _snapshot_start(self, scope: _versions.Scope) -> None:
         """The versions current now (written by another tape) start this tape."""
@@ -189,6 +262,7 @@ class AssignAwareTape(tf.GradientTape):
     def watch(self, tensor: Any) -> None:
         """As ``tf.GradientTape.watch``; a wrapped variable (Keras 3, mixed
         precision, distributed) watches the variable it stands for."""
+
         def inner(t: Any) -> Any:
             var = _versions.resolve(t)
             return t if var is None else var
@@ -295,7 +369,6 @@ class AssignAwareTape(tf.GradientTape):
             unseen = entry is not None and self._record in entry[1] and var._unique_id not in self._scope.current
         return _versions.new_version(own, None) if unseen else self._versions_of(var)[-1]
 
-
     # -- gradients -------------------------------------------------------------
 
     def gradient(
@@ -322,6 +395,7 @@ class AssignAwareTape(tf.GradientTape):
         Returns:
           Gradients in the structure of ``sources``.
         """
+        _versions.raise_deferred()
         if target is None:
             return super().gradient(target, sources, output_gradients, unconnected_gradients)
         record = self._record
@@ -362,7 +436,9 @@ class AssignAwareTape(tf.GradientTape):
             _control_flow.differentiating(-1)
         return grads if finish is None else finish(grads)
 
-    def _mapped_question(self, target: Any, sources: Any, unconnected_gradients: Any) -> Tuple[Any, List[Any], Any, Any]:
+    def _mapped_question(
+        self, target: Any, sources: Any, unconnected_gradients: Any
+    ) -> Tuple[Any, List[Any], Any, Any]:
         """``gradient``'s question as TensorFlow must be asked it: the target
         mapped to versions, the sources given as versions (or variables where
         that is the same), ``unconnected_gradients`` for TensorFlow, and the

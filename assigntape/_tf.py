@@ -24,28 +24,35 @@ SUPPORTED = "2.16 to 2.21"
 try:
     # Node attributes: keeping Grappler from bypassing a version's IdentityN.
     from tensorflow.core.framework import attr_value_pb2
+
     # The eager C API: the tape set (is recording stopped?) and jvp packing.
     from tensorflow.python import pywrap_tfe
+
     # AutoGraph's allow-list, so that our wrappers are not converted.
     from tensorflow.python.autograph.core import config, config_lib
-    # Strategies' update(), and the container a distributed component belongs to.
-    from tensorflow.python.distribute import distribute_lib, distribute_utils
-    from tensorflow.python.distribute import values as distribute_values
-    # MirroredStrategy's replica threads (a merge_call's own call_for_each_replica).
-    from tensorflow.python.distribute import mirrored_run
-    # Parameter servers' partitioned variables, which no tape takes as a whole.
-    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
     # tf.data: where a dataset's functions run (iterators, reduce, single elements).
     from tensorflow.python.data.ops import dataset_ops, iterator_ops
-    from tensorflow.python.ops import gen_dataset_ops
+
+    # Strategies' update(), and the container a distributed component belongs to.
+    # MirroredStrategy's replica threads (a merge_call's own call_for_each_replica).
+    from tensorflow.python.distribute import distribute_lib, distribute_utils, mirrored_run
+    from tensorflow.python.distribute import values as distribute_values
+
+    # Parameter servers' partitioned variables, which no tape takes as a whole.
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
     # GradientTape, ForwardAccumulator, eager context, recording ops on tapes,
     # and the hook every variable read calls.
     from tensorflow.python.eager import backprop, context, forwardprop, record
     from tensorflow.python.eager import tape as eager_tape
+
     # What a tf.function call runs (captures are mapped to versions there).
     from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
+
     # The variables a tf.function makes on its first trace (their initialization).
     from tensorflow.python.eager.polymorphic_function.polymorphic_function import UnliftedInitializerVariable
+
     # Graph building: ops, dtypes, tensors, automatic control dependencies.
     from tensorflow.python.framework import (
         auto_control_deps,
@@ -57,7 +64,9 @@ try:
         tensor_util,
     )
     from tensorflow.python.framework import tensor as tensor_lib
+
     # Ops, the generated op wrappers that write variables, and control flow v2.
+    # tf.py_function / tf.numpy_function: the Python body a graph runs later.
     from tensorflow.python.ops import (
         array_ops,
         check_ops,
@@ -65,6 +74,7 @@ try:
         control_flow_util,
         default_gradient,
         gen_array_ops,
+        gen_dataset_ops,
         gen_resource_variable_ops,
         gen_state_ops,
         gen_training_ops,
@@ -72,24 +82,29 @@ try:
         handle_data_util,
         math_ops,
         resource_variable_ops,
+        script_ops,
         standard_ops,
         state_ops,
         tensor_array_ops,
         while_v2,
     )
-    # tf.vectorized_map's (and jacobian's) vectorizer, which traces a tf.function.
-    from tensorflow.python.ops.parallel_for import control_flow_ops as parallel_for
-    # tf.py_function / tf.numpy_function: the Python body a graph runs later.
-    from tensorflow.python.ops import script_ops
-    # SavedModels: where the gradients of a module's functions are saved.
-    from tensorflow.python.saved_model import save as saved_model_save
+
     # The graph class of a tf.cond branch or while body.
     from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
+
+    # tf.vectorized_map's (and jacobian's) vectorizer, which traces a tf.function.
+    from tensorflow.python.ops.parallel_for import control_flow_ops as parallel_for
     from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
-    # A module that star-imports generated write ops (gen_tpu_ops).
-    from tensorflow.python.tpu.ops import tpu_ops
+
     # Whether TensorFlow's profiler traces (``ops.convert_to_tensor`` then notes itself).
     from tensorflow.python.profiler import trace as profiler_trace
+
+    # SavedModels: where the gradients of a module's functions are saved.
+    from tensorflow.python.saved_model import save as saved_model_save
+
+    # A module that star-imports generated write ops (gen_tpu_ops).
+    from tensorflow.python.tpu.ops import tpu_ops
+
     # tf.compat.v1 optimizers, whose slots are keyed by variable.
     from tensorflow.python.training import optimizer as v1_optimizer
     from tensorflow.python.util import nest, variable_utils
@@ -133,6 +148,7 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (backprop.GradientTape, "_pop_tape", "pausing one tape while recording on others"),
     (backprop.GradientTape, "_ensure_recording", "reading a version on a plain tape"),
     (eager_tape, "variable_accessed", "refusing reads of variables written unseen"),
+    (ops, "raise_from_not_ok_status", "a read failed in C++ raises the error the handle descriptor deferred"),
     (distribute_lib.StrategyExtendedV2, "update", "cross-replica updates"),
     (distribute_lib.StrategyExtendedV1, "update_non_slot", "tf.compat.v1 optimizers' non-slot updates"),
     (distribute_lib.StrategyExtendedV2, "reduce_to", "reductions in merge_call, linked on the replicas' tapes"),
@@ -168,7 +184,11 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (BaseResourceVariable, "_read_variable_op", "the read that the value() short path does as it does"),
     (ops, "is_auto_dtype_conversion_enabled", "dtype promotion mode, left to TensorFlow's write methods"),
     (ops, "_default_graph_stack", "eager with no graph pushed: where the short paths apply"),
-    (tensor_conversion_registry, "_tensor_conversion_func_cache", "whether variables still convert as TensorFlow registered"),
+    (
+        tensor_conversion_registry,
+        "_tensor_conversion_func_cache",
+        "whether variables still convert as TensorFlow registered",
+    ),
     (resource_variable_ops, "_dense_var_to_tensor", "the conversion TensorFlow registered for variables"),
     (BaseResourceVariable, "_dense_var_to_tensor", "what that conversion calls, ending in value()"),
     (dataset_ops.DatasetV2, "_inputs", "the datasets whose functions an iterator runs"),
@@ -235,13 +255,68 @@ def executing_eagerly() -> bool:
         eager = ctx._thread_local_data.is_eager
     return eager
 
+
 __all__ = [
-    "SUPPORTED", "PRIVATE", "ALL_REDUCE_MERGE_FN", "REPLICA_MERGE_CALL", "V1_OPTIMIZER_FINISH", "V1_OPTIMIZER_UPDATE", "BaseResourceVariable", "ConcreteFunction", "ControlFlowFuncGraph", "ShardedVariable",
+    "SUPPORTED",
+    "PRIVATE",
+    "ALL_REDUCE_MERGE_FN",
+    "REPLICA_MERGE_CALL",
+    "V1_OPTIMIZER_FINISH",
+    "V1_OPTIMIZER_UPDATE",
+    "BaseResourceVariable",
+    "ConcreteFunction",
+    "ControlFlowFuncGraph",
+    "ShardedVariable",
     "UnliftedInitializerVariable",
-    "UnconnectedGradients", "array_ops", "attr_value_pb2", "auto_control_deps", "backprop", "check_ops", "composite_tensor",
-    "cond_v2", "config", "config_lib", "context", "control_flow_util", "dataset_ops", "gen_dataset_ops", "iterator_ops", "default_gradient", "distribute_lib", "distribute_utils", "distribute_values", "mirrored_run",
-    "dtypes", "eager_tape", "executing_eagerly", "forwardprop", "gen_array_ops", "gen_resource_variable_ops", "gen_state_ops",
-    "gen_training_ops", "gradients_util", "handle_data_util", "indexed_slices", "math_ops", "nest", "ops", "profiler_trace", "pywrap_tfe",
-    "record", "resource_variable_ops", "parallel_for", "saved_model_save", "script_ops", "standard_ops", "state_ops", "tensor_array_ops", "tensor_conversion_registry", "tensor_lib",
-    "tensor_util", "tpu_ops", "v1_optimizer", "variable_utils", "while_v2",
+    "UnconnectedGradients",
+    "array_ops",
+    "attr_value_pb2",
+    "auto_control_deps",
+    "backprop",
+    "check_ops",
+    "composite_tensor",
+    "cond_v2",
+    "config",
+    "config_lib",
+    "context",
+    "control_flow_util",
+    "dataset_ops",
+    "gen_dataset_ops",
+    "iterator_ops",
+    "default_gradient",
+    "distribute_lib",
+    "distribute_utils",
+    "distribute_values",
+    "mirrored_run",
+    "dtypes",
+    "eager_tape",
+    "executing_eagerly",
+    "forwardprop",
+    "gen_array_ops",
+    "gen_resource_variable_ops",
+    "gen_state_ops",
+    "gen_training_ops",
+    "gradients_util",
+    "handle_data_util",
+    "indexed_slices",
+    "math_ops",
+    "nest",
+    "ops",
+    "profiler_trace",
+    "pywrap_tfe",
+    "record",
+    "resource_variable_ops",
+    "parallel_for",
+    "saved_model_save",
+    "script_ops",
+    "standard_ops",
+    "state_ops",
+    "tensor_array_ops",
+    "tensor_conversion_registry",
+    "tensor_lib",
+    "tensor_util",
+    "tpu_ops",
+    "v1_optimizer",
+    "variable_utils",
+    "while_v2",
 ]

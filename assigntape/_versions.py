@@ -20,21 +20,28 @@ what they cost without assigntape, and ``constructed`` notes new handles.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
+from assigntape import _leases
+from assigntape._errors import ControlFlowWriteError, GraphWriteOrderError, NotAVariableError, UntrackedWriteError
+from assigntape._record import Record, WriteRecord
+from assigntape._tf import (
+    BaseResourceVariable as _BASE_VARIABLE,
+)
+from assigntape._tf import (
+    ControlFlowFuncGraph as _CONTROL_FLOW_GRAPH,
+)
 from assigntape._tf import (
     ShardedVariable,
     UnconnectedGradients,
     array_ops,
-    eager_tape,
-    BaseResourceVariable as _BASE_VARIABLE,
-    context as _context,
-    ControlFlowFuncGraph as _CONTROL_FLOW_GRAPH,
     dtypes,
+    eager_tape,
     executing_eagerly,
     gen_resource_variable_ops,
     ops,
@@ -43,10 +50,9 @@ from assigntape._tf import (
     resource_variable_ops,
     tensor_lib,
 )
-
-from assigntape import _leases
-from assigntape._errors import ControlFlowWriteError, GraphWriteOrderError, NotAVariableError, UntrackedWriteError
-from assigntape._record import Record, WriteRecord
+from assigntape._tf import (
+    context as _context,
+)
 
 __all__ = [
     "WriteRecord",
@@ -81,7 +87,18 @@ class Scope:
     """The versions of one thread in one graph (``None`` for eager execution)."""
 
     __slots__ = (
-        "key", "thread", "current", "owners", "records", "holders", "seen", "canonical", "pinned", "dirty", "resumed", "unnamed"
+        "key",
+        "thread",
+        "current",
+        "owners",
+        "records",
+        "holders",
+        "seen",
+        "canonical",
+        "pinned",
+        "dirty",
+        "resumed",
+        "unnamed",
     )
 
     def __init__(self, key: Any) -> None:
@@ -125,6 +142,43 @@ class Scope:
         # id(handle) -> (handle, op name): variables written, since the tape
         # opened, through a handle no tape could name (``unknown_variable_write``).
         self.unnamed: Dict[int, Tuple[Any, str]] = {}
+
+    def state(self, full: bool) -> Tuple[Any, ...]:
+        """What a tape's entry may change here (``full``: a tape entered
+        again; else only the records), for ``put_back``."""
+        records = list(self.records)
+        if not full:
+            return (records,)
+        return (
+            records,
+            dict(self.current),
+            dict(self.owners),
+            len(self.pinned),
+            set(self.seen),
+            dict(self.canonical),
+            {k: (own, list(closed)) for k, (own, closed) in self.dirty.items()},
+            {k: (h, var, made, list(knowing)) for k, (h, var, made, knowing) in self.resumed.items()},
+        )
+
+    def put_back(self, state: Tuple[Any, ...]) -> None:
+        """The scope as ``state`` had it (an interrupted tape entry undone)."""
+        self.records[:] = state[0]
+        if len(state) == 1:
+            return
+        _, current, owners, pinned, seen, canonical, dirty, resumed = state
+        self.current.clear()
+        self.current.update(current)
+        self.owners.clear()
+        self.owners.update(owners)
+        del self.pinned[pinned:]
+        self.seen.clear()
+        self.seen.update(seen)
+        self.canonical.clear()
+        self.canonical.update(canonical)
+        self.dirty.clear()
+        self.dirty.update(dirty)
+        self.resumed.clear()
+        self.resumed.update(resumed)
 
     def current_versions(self, recorder: Any = None) -> Dict[str, Any]:
         """``current``, and the versions ``recorder`` (a tape, or a record)
@@ -217,15 +271,26 @@ def open_scope(tape_record: Record) -> Scope:
     return scope
 
 
+# The lock regions on a tape's way in and out are one-line ``with``
+# statements around a function: an exception (a KeyboardInterrupt) can then
+# land before the lock is taken, or in the function, whose exit releases it,
+# but not between the block's last line and the release (a line event of the
+# ``with`` line itself), which would leave it held for good.
+
+
 def _list(scope: Scope) -> None:
-    global _active_at
     with _all_lock:
-        _all_scopes.append(scope)
-        if len(_all_scopes) == 1:
-            _serve_versions(True)
-            _active_at = time.monotonic()
-            if not _switched:
-                _switch(True)
+        _list_locked(scope)  # noqa: E701 - see above
+
+
+def _list_locked(scope: Scope) -> None:
+    global _active_at
+    _all_scopes.append(scope)
+    if len(_all_scopes) == 1:
+        _serve_versions(True)
+        _active_at = time.monotonic()
+        if not _switched:
+            _switch(True)
 
 
 def _serve_versions(on: bool) -> None:
@@ -305,12 +370,18 @@ def hold_closed(tape_record: Record) -> None:
     """A tape closes and may be entered again (or asked for gradients): its
     record notes the writes made meanwhile, so the write patches must be in
     place while it lives."""
-    global _active_at
     with _all_lock:
-        closed_tapes.add(tape_record)
-        _active_at = time.monotonic()
-        if not _switched:
-            _switch(True)
+        _hold_closed_locked(tape_record)  # noqa: E701 - see _list
+
+
+def _hold_closed_locked(tape_record: Record) -> None:
+    global _active_at
+    closed_tapes.add(tape_record)
+    # (A forked child forgets the tapes other threads closed: ``_after_fork_in_child``.)
+    tape_record.closed_in = threading.get_ident()
+    _active_at = time.monotonic()
+    if not _switched:
+        _switch(True)
 
 
 _serving = False
@@ -366,12 +437,47 @@ def close_scope(scope: Scope, tape_record: Record, holders: Sequence[Any] = ()) 
     """Unregisters ``tape``; the last tape out drops the scope's versions,
     unless ``holders`` (plain tapes, forward accumulators open around it)
     keep them until they close (``release_holder``)."""
+    # The holders first: the tape's exit, interrupted after the removal, is
+    # finished by ``finish_close``, which must find them.
+    if holders and all(r is tape_record for r in scope.records):
+        scope.holders = list(holders)
     scope.records.remove(tape_record)
-    if not scope.records:
-        if holders:
-            scope.holders = list(holders)
-        else:
+    if not scope.records and not scope.holders:
+        _drop(scope)
+
+
+def finish_close(scope: Scope, tape_record: Record, holders: Sequence[Any] = ()) -> None:
+    """``close_scope``, to finish a tape's exit that was interrupted (a
+    ``KeyboardInterrupt``) at any point in it, or before it."""
+    if any(r is tape_record for r in scope.records):
+        close_scope(scope, tape_record, holders)
+    elif not scope.records and not scope.holders:
+        _drop(scope)
+
+
+def abandon_scope(key: Any, tape_record: Record, before: Optional[Tuple[Scope, Tuple[Any, ...]]]) -> None:
+    """Undoes an interrupted entry of the tape of ``tape_record`` in the scope
+    of ``key``: ``before`` is ``scope_state(key)`` taken before it (None: the
+    scope did not exist), or the scope is only left by the record."""
+    scope = _scopes().get(key)
+    if scope is None:
+        scope = next((s for s in _all_scopes if s.key is key and s.thread == threading.get_ident()), None)
+        if scope is None:
+            return
+    if before is None or before[0] is not scope:
+        # Made by the entry (or listed, not yet in this thread's dict): it goes.
+        scope.records[:] = [r for r in scope.records if r is not tape_record]
+        if not scope.records and not scope.holders:
             _drop(scope)
+        return
+    scope.put_back(before[1])
+
+
+def scope_state(key: Any, full: bool) -> Optional[Tuple[Scope, Tuple[Any, ...]]]:
+    """This thread's scope of ``key`` and, if ``full``, a copy of what a tape
+    entered again changes there (else only its records), for ``abandon_scope``."""
+    scope = _scopes().get(key)
+    return None if scope is None else (scope, scope.state(full))
 
 
 def held_by(holder: Any) -> Dict[str, Tuple[Any, Any]]:
@@ -522,8 +628,18 @@ def release_holder(instance: Any) -> None:
 
 
 def _drop(scope: Scope) -> None:
-    """Forgets ``scope``'s versions and unregisters it."""
-    global _active_at
+    """Forgets ``scope``'s versions and unregisters it. Each step can be run
+    again, and the scope stays found (in this thread's scopes, with its
+    holders) until it is unlisted everywhere: an interrupted tape exit
+    finishes by dropping it once more (``finish_close``, ``release_holder``)."""
+    with _all_lock:
+        _unlist_locked(scope)  # noqa: E701 - see _list
+    scopes = _scopes()
+    if scopes.get(scope.key) is scope:
+        del scopes[scope.key]
+    if _with_unnamed:
+        with _all_lock:
+            _unlist_unnamed_locked(scope)  # noqa: E701 - see _list
     scope.current.clear()
     scope.owners.clear()
     scope.pinned.clear()
@@ -532,18 +648,22 @@ def _drop(scope: Scope) -> None:
     scope.dirty.clear()
     scope.resumed.clear()
     scope.unnamed.clear()
-    if _with_unnamed:
-        with _all_lock:
-            _with_unnamed.discard(id(scope))
-            if not _with_unnamed:
-                _check_reads(False)
     scope.holders = []
-    _scopes().pop(scope.key, None)
-    with _all_lock:
+
+
+def _unlist_unnamed_locked(scope: Scope) -> None:
+    _with_unnamed.discard(id(scope))
+    if not _with_unnamed:
+        _check_reads(False)
+
+
+def _unlist_locked(scope: Scope) -> None:
+    global _active_at
+    if any(s is scope for s in _all_scopes):
         _all_scopes.remove(scope)
-        if not _all_scopes:
-            _serve_versions(False)
-            _active_at = time.monotonic()
+    if not _all_scopes:
+        _serve_versions(False)
+        _active_at = time.monotonic()
 
 
 def open_here() -> bool:
@@ -704,6 +824,67 @@ def _recording_accumulators(scope: Scope) -> List[Any]:
     return found
 
 
+# The plain tapes and accumulators open in other threads when this one
+# forks (in the child, their threads' lists may be gone before the hook runs).
+_open_elsewhere_at_fork: List[Any] = []
+
+
+def _before_fork() -> None:
+    # Held across the fork, so that the child's copy is not held by a thread
+    # that does not exist there (it would wait on it for ever).
+    _leases.lock.acquire()
+    _all_lock.acquire()
+    me = threading.get_ident()
+    for thread, opened in list(_plain_by_thread.items()):
+        if thread != me:
+            _open_elsewhere_at_fork.extend(ref() for ref, _ in list(opened))
+
+
+def _after_fork_in_parent() -> None:
+    _open_elsewhere_at_fork.clear()
+    _all_lock.release()
+    _leases.lock.release()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child only the thread that forked exists: the tapes the
+    other threads had open will never close, and must not bind it (refuse
+    its writes to variables they read, keep the patches from ``uninstall``,
+    keep the descriptor served). Their scopes and leases go."""
+    global _active_at
+    try:
+        _leases.forget_other_threads()
+        me = threading.get_ident()
+        gone = [scope for scope in _all_scopes if scope.thread != me]
+        for scope in gone:
+            _all_scopes.remove(scope)
+            _with_unnamed.discard(id(scope))
+        if gone and not _with_unnamed:
+            _check_reads(False)
+        if gone and not _all_scopes:
+            _serve_versions(False)
+            _active_at = time.monotonic()
+        # Plain tapes open there (beside a tape of ours), never closed here.
+        for tape in _open_elsewhere_at_fork:
+            if tape is not None:
+                _leases.plain.discard(tape)
+        for thread in list(_plain_by_thread.keys()):
+            if thread != me:
+                _plain_by_thread.pop(thread, None)
+        # Tapes closed there: none can be entered again in that thread. (One
+        # entered again here does not see the writes made here while it was
+        # closed as such: see the README's known limits.)
+        for r in list(_closed_records()):
+            if r.closed_in not in (None, me):
+                closed_tapes.discard(r)
+    finally:
+        _after_fork_in_parent()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+
+
 def open_elsewhere() -> bool:
     """Whether a tape is open in another thread.
 
@@ -774,8 +955,7 @@ def refuse_or_cut(scopes: List[Scope], var: Any, what: str, message: str) -> Non
             "new version with no gradient path."
         )
     warnings.warn(
-        f"AssignAwareTape: {what} wrote {var.name!r}; no gradient flows through that write "
-        "(untracked_writes='cut').",
+        f"AssignAwareTape: {what} wrote {var.name!r}; no gradient flows through that write (untracked_writes='cut').",
         stacklevel=4,
     )
 
@@ -944,7 +1124,11 @@ def serves_own_handles() -> bool:
         return True
     scope = eager_scope()
     return (
-        scope is not None and len(scopes) == 1 and not scope.current and not scope.dirty and not scope.unnamed
+        scope is not None
+        and len(scopes) == 1
+        and not scope.current
+        and not scope.dirty
+        and not scope.unnamed
         and not getattr(_tls, "merging", ())
     )
 
@@ -971,7 +1155,12 @@ def short_path_scope(var: Any) -> Optional[Scope]:
     tape is the only one open in any thread (none could have seen the
     variable), not acting for a replica, on a differentiable variable."""
     scope = short_path_read_scope(var)
-    if scope is None or len(_tls.scopes) < len(_all_scopes) or getattr(_tls, "merging", None) or not differentiable(var):
+    if (
+        scope is None
+        or len(_tls.scopes) < len(_all_scopes)
+        or getattr(_tls, "merging", None)
+        or not differentiable(var)
+    ):
         return None
     return scope
 
@@ -1149,7 +1338,12 @@ class Branch:
     __slots__ = ("scope", "graph", "parent", "versions", "values", "carried", "token")
 
     def __init__(
-        self, scope: Scope, graph: Any, parent: Optional["Branch"], carried: Optional[List[str]] = None, token: Any = None
+        self,
+        scope: Scope,
+        graph: Any,
+        parent: Optional["Branch"],
+        carried: Optional[List[str]] = None,
+        token: Any = None,
     ) -> None:
         self.scope = scope
         self.graph = graph
@@ -1177,7 +1371,6 @@ class Branch:
         return self.scope.current_version(var) if handle is None else handle
 
 
-
 def latest_unread(scope: Scope, var: Any, recorder: Any) -> Any:
     """A variable target's version for ``recorder``, a plain tape entered
     again and open in ``scope``, where the variable has not been read since
@@ -1199,7 +1392,9 @@ def version_in(scope: Scope, branch: Optional[Branch], var: Any) -> Any:
     return scope.current_version(var) if branch is None else branch.version_of(var)
 
 
-def open_branch(scope: Scope, parent: Optional[Branch], carried: Optional[List[str]] = None, token: Any = None) -> Branch:
+def open_branch(
+    scope: Scope, parent: Optional[Branch], carried: Optional[List[str]] = None, token: Any = None
+) -> Branch:
     """Registers the graph being traced now as a cond branch (or, with
     ``carried``, a loop body) of ``scope``."""
     branches = getattr(_tls, "branches", None)
@@ -1450,7 +1645,17 @@ def serve_handle(scope: Scope, inst: Any, d: Dict[str, Any], handle: Any = None)
 
 
 class HandleDescriptor:
-    """``BaseResourceVariable._handle`` while some scope is open: the current version."""
+    """``BaseResourceVariable._handle`` while some scope is open: the current version.
+
+    TensorFlow's C++ code looks the attribute up too (the eager fast path's
+    ``ReadVariableOp``, the tapes' ``WatchVariable``), and does not expect
+    it to fail: an exception raised here from there kills the process. So
+    nothing here raises but Python's own error for a variable with no
+    handle (as without the descriptor): any other error (a refused read, an
+    interrupt) is deferred (``defer``), and the variable is served a handle
+    that no read can use, so that the read fails in TensorFlow and the
+    deferred error is raised at the next Python-level step.
+    """
 
     def __get__(self, inst: Any, owner: Any = None) -> Any:
         # Every read asks this two or three times (TensorFlow fetches
@@ -1458,24 +1663,28 @@ class HandleDescriptor:
         if inst is None:
             return self
         d = inst.__dict__
-        scopes = getattr(_tls, "scopes", None)
-        if scopes:
-            ctx = _context._context
-            if ctx is not None and ctx._thread_local_data.is_eager:
-                scope = scopes.get(None)
-                if scope is not None:
-                    return serve_handle(scope, inst, d)
-            else:
-                scope = _enclosing_scope(scopes)
-                if scope is not None:
-                    branches = getattr(_tls, "branches", None)
-                    branch = branches.get(ops.get_default_graph()) if branches else None
-                    # Inside a cond branch that wrote the variable: its branch version.
-                    return serve_handle(scope, inst, d, None if branch is None else branch.version_of_uid(d.get("_unique_id")))
         try:
+            scopes = getattr(_tls, "scopes", None)
+            if scopes:
+                ctx = _context._context
+                if ctx is not None and ctx._thread_local_data.is_eager:
+                    scope = scopes.get(None)
+                    if scope is not None:
+                        return serve_handle(scope, inst, d)
+                else:
+                    scope = _enclosing_scope(scopes)
+                    if scope is not None:
+                        branches = getattr(_tls, "branches", None)
+                        branch = branches.get(ops.get_default_graph()) if branches else None
+                        # Inside a cond branch that wrote the variable: its branch version.
+                        return serve_handle(
+                            scope, inst, d, None if branch is None else branch.version_of_uid(d.get("_unique_id"))
+                        )
             return d["_handle"]
-        except KeyError:
-            raise _no_handle(inst) from None
+        except BaseException as error:  # noqa: B036 - an interrupt too: see the class docstring
+            if "_handle" not in d:
+                raise _no_handle(inst) from None
+            return defer(error)
 
     def __set__(self, inst: Any, value: Any) -> None:
         if type(inst) is _UNREAD_VARIABLE and isinstance(value, ops.EagerTensor):
@@ -1492,6 +1701,59 @@ class HandleDescriptor:
 
     def __delete__(self, inst: Any) -> None:
         del inst.__dict__["_handle"]
+
+
+# The shared name of the resource behind the handle ``defer`` serves: a
+# resource never created, so that any read through it fails in TensorFlow
+# (with this name in the message, where the deferred error was not raised).
+POISON_NAME = "assigntape_refused_read_see_the_UntrackedWriteError_raised_before"
+
+
+def defer(error: BaseException) -> Any:
+    """Keeps ``error``, raised where TensorFlow's C++ code may be the caller,
+    for this thread's next Python-level step (``raise_deferred``), and returns
+    the handle to serve meanwhile: one no read can use, so that the read
+    fails in TensorFlow, cleanly, and its error is replaced by ``error``
+    (``not_ok_status``). A first error deferred is kept over later ones."""
+    if getattr(_tls, "deferred", None) is None:
+        _tls.deferred = error
+    try:
+        with ops.init_scope():
+            return gen_resource_variable_ops.var_handle_op(
+                dtype=dtypes.float32, shape=[], shared_name=POISON_NAME, container=""
+            )
+    except BaseException:  # noqa: B036 - no handle to serve: the variable's own, the error still deferred
+        return _no_poison
+
+
+def _no_poison() -> None:
+    """What ``defer`` returns if it cannot make a handle: nothing a read can
+    use either (C++'s read refuses anything but a tensor)."""
+
+
+def take_deferred() -> Optional[BaseException]:
+    """The error ``defer`` kept in this thread, if any, forgotten here."""
+    error = getattr(_tls, "deferred", None)
+    if error is not None:
+        _tls.deferred = None
+    return error
+
+
+def raise_deferred() -> None:
+    """Raises the error ``defer`` kept in this thread, if any."""
+    error = take_deferred()
+    if error is not None:
+        raise error
+
+
+def not_ok_status(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """``ops.raise_from_not_ok_status``, which every generated op wrapper
+    calls, in Python, when its op failed in C++: a read through the handle
+    ``defer`` served has failed, and the error deferred is the one to raise."""
+    error = take_deferred()
+    if error is not None:
+        raise error.with_traceback(None) from None
+    return wrapped(*args, **kwargs)
 
 
 _READING = HandleDescriptor()

@@ -1,0 +1,379 @@
+"""The process never crashes, and an interrupted tape does not corrupt it.
+
+* Nothing of the library that TensorFlow's C++ code calls raises (the
+  ``_handle`` descriptor, looked up by the eager fast path): a refused read
+  there fails the op cleanly with the library's error. The programs run in a
+  subprocess, so that a crash fails the test instead of killing pytest.
+* An exception landing anywhere in a tape's ``__enter__`` / ``__exit__``
+  (a ``KeyboardInterrupt`` from a signal handler) leaves the global state as
+  it was before the call (a sweep over every line executed, ``sys.settrace``).
+* A forked child is not bound by tapes of threads that do not exist in it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from typing import List
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_python(source: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def _lines(out: str, prefix: str) -> List[str]:
+    return [line[len(prefix) :] for line in out.splitlines() if line.startswith(prefix)]
+
+
+# A variable made before assigntape's first tape (so no tape can name its
+# handle), written through that handle inside a tape, then read by ops whose
+# eager fast path reads ``v._handle`` in C++ (and, for comparison, by Python
+# paths): each read must raise UntrackedWriteError, and the process go on.
+_UNNAMED_READS = """
+    import sys
+    import numpy as np
+    import tensorflow as tf
+    from assigntape import AssignAwareTape, UntrackedWriteError, uninstall
+
+    READS = {
+        "relu": lambda c: tf.nn.relu(c),
+        "einsum": lambda c: tf.einsum("ij,jk->ik", c, c),
+        "concat": lambda c: tf.concat([c, c], 0),
+        "matvec": lambda c: tf.linalg.matvec(c, [1.0, 2.0]),
+        "reduce_sum": lambda c: tf.reduce_sum(c),
+        "gather": lambda c: tf.gather(c, [1, 0]),
+        "stack": lambda c: tf.stack([c, c]),
+        "bias_add": lambda c: tf.nn.bias_add(c, [1.0, 2.0]),
+        "matmul": lambda c: tf.matmul(c, c),
+        "square": lambda c: tf.square(c),
+        "operator": lambda c: c * 2.0,
+        "handle": lambda c: tf.raw_ops.ReadVariableOp(resource=c.handle, dtype=tf.float32),
+        "function": lambda c: tf.function(lambda: tf.nn.relu(c))(),
+    }
+    for name, read in READS.items():
+        for mode in ("eager", "function"):
+            uninstall()
+            x = tf.Variable(2.0)
+            c = tf.Variable([[1.5, 2.0], [1.0, 3.0]], name="made_before_" + name)
+            handle = c.handle
+
+            def program():
+                with AssignAwareTape() as tape:
+                    tf.raw_ops.AssignVariableOp(resource=handle, value=x * tf.ones([2, 2]))
+                    y = read(c)
+                return tape.gradient(y, x)
+
+            try:
+                program() if mode == "eager" else tf.function(program)()
+                print(f"CASE {name} {mode} no error", flush=True)
+            except UntrackedWriteError as e:
+                ok = f"made_before_{name}" in str(e) and "could name" in str(e)
+                print(f"CASE {name} {mode} {'refused' if ok else 'unclear: ' + str(e)[:200]}", flush=True)
+            except Exception as e:
+                print(f"CASE {name} {mode} other error {type(e).__name__}: {str(e)[:200]}", flush=True)
+            # The tape closed cleanly: the next one differentiates through a
+            # write (the rewrite: y = (3a)^2, dy/da = 18a = 36), and nothing
+            # is left open.
+            a, w = tf.Variable(2.0), tf.Variable(0.0)
+            with AssignAwareTape() as tape:
+                w.assign(3.0 * a)
+                y = w * w
+            grad = float(tape.gradient(y, a))
+            uninstall()
+            print(f"AFTER {name} {mode} {grad} {w.handle is w.__dict__['_handle']}", flush=True)
+    print("DONE", flush=True)
+"""
+
+
+def test_a_refused_read_in_tensorflows_fast_path_raises_and_does_not_crash():
+    done = _run_python(_UNNAMED_READS)
+    assert done.returncode == 0, f"the process died ({done.returncode}):\n{done.stdout}\n{done.stderr[-3000:]}"
+    cases = _lines(done.stdout, "CASE ")
+    assert len(cases) == 26 and "DONE" in done.stdout, done.stdout
+    assert all(line.endswith(" refused") for line in cases), cases
+    after = _lines(done.stdout, "AFTER ")
+    assert all(line.endswith(" 36.0 True") for line in after), after
+
+
+# Another thread has tapes open (ours, a plain tape around it, one of ours
+# closed inside it, an accumulator) that read and wrote ``v``, when the main
+# thread forks. In the child, which has only the forking thread: a write of
+# ``v`` outside every tape is plain TensorFlow, a tape differentiates through
+# a write as the rewrite does, and uninstall() succeeds. The child reports by
+# its exit code (a bit per failed check) and its output.
+_FORK = """
+    import os, sys, threading, time
+    import tensorflow as tf
+    from assigntape import AssignAwareTape, uninstall
+
+    v = tf.Variable(1.0)
+    opened, finish = threading.Event(), threading.Event()
+
+    def worker():
+        with tf.autodiff.ForwardAccumulator(v, tf.constant(1.0)):
+            with tf.GradientTape() as outer:
+                with AssignAwareTape() as closed:
+                    v.assign(v * 2.0)
+                with AssignAwareTape() as tape:
+                    y = v * 3.0
+                    opened.set()
+                    finish.wait()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    opened.wait()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            v.assign(5.0)
+            if float(v.read_value()) != 5.0:
+                code |= 1
+        except Exception as e:
+            print("CHILD write:", type(e).__name__, e, flush=True)
+            code |= 1
+        try:
+            a, w = tf.Variable(2.0), tf.Variable(0.0)
+            with AssignAwareTape() as tape:
+                w.assign(3.0 * a)
+                v.assign(w + 1.0)
+                y = w * v
+            # The rewrite: w = 3a, v = w + 1, y = w v: dy/da = 3 (v + w) = 3 (13) = 39.
+            if float(tape.gradient(y, a)) != 39.0:
+                code |= 2
+            del tape
+        except Exception as e:
+            print("CHILD tape:", type(e).__name__, e, flush=True)
+            code |= 2
+        try:
+            uninstall()
+        except Exception as e:
+            print("CHILD uninstall:", type(e).__name__, e, flush=True)
+            code |= 4
+        os._exit(code)
+    deadline = time.monotonic() + 240
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            done, status = os.waitpid(pid, 0)
+            break
+        time.sleep(0.05)
+    print("CHILD EXIT", os.waitstatus_to_exitcode(status), flush=True)
+    # The parent is unaffected: its thread's tapes close as usual.
+    finish.set()
+    thread.join()
+    uninstall()
+    print("PARENT OK", flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork")
+def test_a_forked_child_is_not_bound_by_tapes_of_threads_it_does_not_have():
+    done = _run_python(_FORK)
+    assert done.returncode == 0, f"{done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
+    assert "CHILD EXIT 0" in done.stdout and "PARENT OK" in done.stdout, done.stdout
+
+
+# -- an exception at every line of a tape's way in and out ----------------------
+
+
+class _Injected(KeyboardInterrupt):
+    """What the sweep raises, as a signal handler's KeyboardInterrupt would."""
+
+
+class _Injector:
+    """Raises ``_Injected`` at the ``n``th line executed in assigntape's
+    modules while armed (``sys.settrace``)."""
+
+    def __init__(self, n: int) -> None:
+        import assigntape
+
+        self.package = os.path.dirname(assigntape.__file__)
+        self.n, self.count, self.fired, self.armed = n, 0, False, 0
+
+    def trace(self, frame, event, arg):
+        return self.line if frame.f_code.co_filename.startswith(self.package) else None
+
+    def line(self, frame, event, arg):
+        if event == "line" and self.armed and not self.fired:
+            self.count += 1
+            if self.count == self.n:
+                self.fired = True
+                raise _Injected(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+        return self.line
+
+
+class _Armed:
+    """``recorder`` as a context manager whose ``__enter__`` and / or
+    ``__exit__`` (``which``) run with the injector armed."""
+
+    def __init__(self, recorder, injector: _Injector, which) -> None:
+        self.recorder, self.injector, self.which = recorder, injector, which
+
+    def _armed(self, name, call):
+        if name not in self.which:
+            return call()
+        self.injector.armed += 1
+        try:
+            return call()
+        finally:
+            self.injector.armed -= 1
+
+    def __enter__(self):
+        return self._armed("enter", self.recorder.__enter__)
+
+    def __exit__(self, *exc):
+        return self._armed("exit", lambda: self.recorder.__exit__(*exc))
+
+
+def _ours(inj, which, a, w):
+    from assigntape import AssignAwareTape
+
+    with _Armed(AssignAwareTape(), inj, which.get("tape", ())) as tape:
+        w.assign(3.0 * a)
+        y = w * w
+    return tape.gradient(y, a)
+
+
+def _plain_around(inj, which, a, w):
+    import tensorflow as tf
+
+    from assigntape import AssignAwareTape
+
+    with _Armed(tf.GradientTape(), inj, which.get("outer", ())) as outer:
+        with _Armed(AssignAwareTape(), inj, which.get("tape", ())):
+            w.assign(3.0 * a)
+            y = w * w
+    return outer.gradient(y, a)
+
+
+def _plain_inside(inj, which, a, w):
+    import tensorflow as tf
+
+    from assigntape import AssignAwareTape
+
+    with _Armed(AssignAwareTape(), inj, which.get("tape", ())):
+        with _Armed(tf.GradientTape(), inj, which.get("inner", ())) as inner:
+            w.assign(3.0 * a)
+            y = w * w
+    return inner.gradient(y, a)
+
+
+def _entered_again(inj, which, a, w):
+    from assigntape import AssignAwareTape
+
+    tape = AssignAwareTape(persistent=True)
+    with tape:
+        w.assign(3.0 * a)
+    with _Armed(tape, inj, which.get("tape", ())):
+        y = w * w
+    return tape.gradient(y, a)
+
+
+_STEPS = {
+    "ours": _ours,
+    "plain_around": _plain_around,
+    "plain_inside": _plain_inside,
+    "entered_again": _entered_again,
+}
+
+_SWEEPS = [
+    ("ours", {"tape": ("enter",)}),
+    ("ours", {"tape": ("exit",)}),
+    ("plain_around", {"outer": ("enter",)}),
+    ("plain_around", {"tape": ("enter", "exit")}),
+    # Known, left: an exception at some lines of the exit of a plain tape that
+    # held versions (after ``exited``'s first steps) leaves the next tape's
+    # gradient through a write at one path of two (18 where the rewrite gives 36).
+    pytest.param(
+        "plain_around",
+        {"outer": ("exit",)},
+        marks=pytest.mark.xfail(reason="plain tape's exit: not yet transactional", strict=True),
+    ),
+    ("plain_inside", {"inner": ("enter", "exit")}),
+    ("plain_inside", {"tape": ("exit",)}),
+    ("entered_again", {"tape": ("enter",)}),
+    ("entered_again", {"tape": ("exit",)}),
+]
+
+
+def _state_is_right() -> List[str]:
+    """After an interrupted step: a next tape differentiates through a write
+    as the rewrite does, ``v.handle`` outside every tape is the variable's
+    own handle, and ``uninstall()`` succeeds (then the patches go back)."""
+    import tensorflow as tf
+
+    from assigntape import AssignAwareTape, _patches, _versions, uninstall
+
+    problems = []
+    a, w = tf.Variable(2.0), tf.Variable(0.0)
+    try:
+        with AssignAwareTape() as tape:
+            w.assign(3.0 * a)
+            y = w * w
+        grad = tape.gradient(y, a)  # the rewrite: y = (3a)^2, dy/da = 18a = 36
+        if grad is None or float(grad) != 36.0:
+            problems.append(f"next gradient {grad}")
+        del tape
+    except Exception as e:
+        problems.append(f"next tape: {type(e).__name__}: {e}")
+    if w.handle is not w.__dict__["_handle"]:
+        problems.append("v.handle is a version outside every tape")
+    if _versions._all_scopes:
+        problems.append(f"{len(_versions._all_scopes)} scope(s) listed outside every tape")
+    try:
+        if _patches.remove_unused():  # uninstall() without its slow garbage collection first
+            uninstall()
+    except Exception as e:
+        problems.append(f"uninstall: {e}")
+    try:
+        with AssignAwareTape():
+            pass  # installed again, so that the swept entry is a tape's, not the install's
+    except Exception as e:
+        problems.append(f"install again: {e}")
+    return problems
+
+
+def _sweep_id(step: str, which) -> str:
+    return f"{step}-{'-'.join(f'{k}.{v}' for k, vs in which.items() for v in vs)}"
+
+
+@pytest.mark.parametrize(
+    "step,which", _SWEEPS, ids=[_sweep_id(*(p.values if hasattr(p, "values") else p)) for p in _SWEEPS]
+)
+def test_an_exception_at_any_line_of_a_tapes_entry_or_exit_leaves_the_state_right(step, which):
+    import tensorflow as tf
+
+    assert not _state_is_right()
+    failures = []
+    previous = sys.gettrace()
+    for n in range(1, 2000):
+        injector = _Injector(n)
+        a, w = tf.Variable(2.0), tf.Variable(0.0)
+        sys.settrace(injector.trace)
+        try:
+            _STEPS[step](injector, which, a, w)
+        except _Injected:
+            pass
+        finally:
+            sys.settrace(previous)
+        del a, w
+        problems = _state_is_right()
+        if problems:
+            failures.append((n, problems))
+        if not injector.fired:
+            break  # the step ran whole: every line was swept
+    assert n > 10 and not injector.fired
+    assert not failures, failures[:5]
