@@ -50,7 +50,7 @@ def tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Cal
         around = _versions.branch_around(scope)
         if around is None and branch is None and scope.key is not None:
             _plain_tapes.refuse_recorders_outside_body(scope, var, op_name)
-        values = _converted(op_name, arguments, rule.value_args, var)
+        values = _converted(op_name, arguments, rule.value_args, var, scope.key is None)
         if values is None:
             # A value of another dtype (a Python list of floats for a float64
             # variable, a NumPy float64 array, Python ints, an int32 tensor), or
@@ -217,11 +217,15 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
     return wrapper
 
 
-# Write ops whose kernels abort the process (TensorFlow 2.21, no tape) when
-# given a value whose dtype is not the variable's, where the others raise
-# InvalidArgumentError: refused before they run (``WriteDtypeError``).
+# Write ops whose kernels abort the process (TensorFlow 2.21) when given a
+# value whose dtype is not the variable's, where the others raise
+# InvalidArgumentError: refused before they run (``WriteDtypeError``). The
+# strided-slice assign aborts only while a tensor shares the variable's
+# buffer, which an eager recording tape keeps (a plain tape's too); in a
+# graph it raises InvalidArgumentError.
 _ABORT_ON_DTYPE = frozenset(
     [
+        "ResourceStridedSliceAssign",
         "ResourceScatterNdUpdate",
         "ResourceScatterNdAdd",
         "ResourceScatterNdSub",
@@ -229,9 +233,12 @@ _ABORT_ON_DTYPE = frozenset(
         "ResourceScatterNdMax",
     ]
 )
+_ABORT_ONLY_EAGERLY = frozenset(["ResourceStridedSliceAssign"])
 
 
-def _converted(op_name: str, arguments: Dict[str, Any], names: Sequence[str], var: Any) -> Optional[Dict[str, Any]]:
+def _converted(
+    op_name: str, arguments: Dict[str, Any], names: Sequence[str], var: Any, eager: bool
+) -> Optional[Dict[str, Any]]:
     """A write op's value arguments converted as its generated function
     converts them, from the value alone (a Python float list to float32,
     Python ints to int32, a NumPy array in its own dtype: not to the
@@ -245,7 +252,7 @@ def _converted(op_name: str, arguments: Dict[str, Any], names: Sequence[str], va
         except (TypeError, ValueError):
             return None
         if value.dtype != var.dtype:
-            if op_name in _ABORT_ON_DTYPE:
+            if op_name in _ABORT_ON_DTYPE and (eager or op_name not in _ABORT_ONLY_EAGERLY):
                 raise _dtype_error(op_name, names, value.dtype.name, var)
             return None
         converted[name] = value

@@ -135,11 +135,14 @@ def _aborts(op: str, kind: str, dtype: Any) -> bool:
     """Where TensorFlow 2.21 aborts the process with no tape (probed one by
     one in subprocesses): a fused kernel on a float64 variable given values
     that are not tensors (the first input, lr = 0.1, makes them float32),
-    and a ResourceScatterNd* write given a value of another dtype. (An int32
-    tensor given a fused kernel raises TypeError: lr = 0.1 is no int32.)"""
+    and a ResourceScatterNd* write given a value of another dtype; a
+    strided-slice assign given one while a tensor shares the variable's
+    buffer, as a recording tape keeps one (a plain tape too; found by an
+    adversarial review). (An int32 tensor given a fused kernel raises
+    TypeError: lr = 0.1 is no int32.)"""
     if op in _FUSED:
         return dtype == tf.float64 and kind in {"python floats", "python ints", "numpy float64"}
-    if op.startswith("ResourceScatterNd"):
+    if op.startswith("ResourceScatterNd") or op == "ResourceStridedSliceAssign":
         converted = {"python floats": tf.float32, "python ints": tf.int32, "numpy float64": tf.float64}
         return kind == "int32 tensor" or converted.get(kind, dtype) != dtype
     return False
@@ -150,6 +153,8 @@ def _aborts(op: str, kind: str, dtype: Any) -> bool:
     [
         "tf.raw_ops.ResourceApplyGradientDescent(var=v.handle, alpha=0.1, delta=[1.0, 1.0, 1.0])",
         "tf.raw_ops.ResourceScatterNdAdd(ref=v.handle, indices=[[0]], updates=[1.0])",
+        "with tf.GradientTape():\n    _ = tf.reduce_sum(v)\n"
+        "    tf.raw_ops.ResourceStridedSliceAssign(ref=v.handle, begin=[0], end=[1], strides=[1], value=[9.0])",
     ],
 )
 def test_these_writes_given_another_dtype_abort_outside_a_tape(call):
@@ -203,3 +208,36 @@ _COMPILED = ["AssignVariableOp", "AssignAddVariableOp", "ResourceScatterUpdate",
 def test_a_write_op_in_a_tapes_function_takes_its_value_as_tensorflow_does(op, kind):
     dtype = tf.float64  # (Python floats convert to float32: another dtype)
     assert _compiled_outcome(op, kind, dtype, tape=True) == _compiled_outcome(op, kind, dtype, tape=False)
+
+
+def test_a_strided_slice_assign_of_another_dtype_after_a_read_is_refused_not_a_crash():
+    """Found by an adversarial review: after the tape read the variable, a
+    strided-slice assign given a value of another dtype aborted the process
+    (TensorFlow's kernel, while a tensor shares the variable's buffer; a
+    plain tape aborts too). Run in a subprocess so that an abort fails this
+    test instead of the test run."""
+    import subprocess
+    import sys
+
+    code = """
+import numpy as np
+import tensorflow as tf
+from assigntape import AssignAwareTape, WriteDtypeError
+v = tf.Variable([1.0, 2.0, 3.0], name="v32")
+with AssignAwareTape() as tape:
+    a = tf.reduce_sum(v)
+    try:
+        tf.raw_ops.ResourceStridedSliceAssign(ref=v.handle, begin=[0], end=[1], strides=[1],
+                                              value=tf.constant([9.0], tf.float64))
+    except WriteDtypeError as e:
+        assert "v32" in str(e), str(e)
+    else:
+        raise AssertionError("not refused")
+    y = tf.reduce_sum(v * v)
+# Nothing written: y = sum(v0^2), dy/dv = 2 v0.
+np.testing.assert_allclose(tape.gradient(y, v), [2.0, 4.0, 6.0])
+assert v.numpy().tolist() == [1.0, 2.0, 3.0]
+print("refused")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "refused" in done.stdout, done.stderr[-2000:]
