@@ -545,3 +545,41 @@ def test_a_function_traced_before_any_tape_that_runs_a_captured_dataset_is_refus
             pull()
     np.testing.assert_array_equal(v.numpy(), V0)
     del tape, before
+
+
+@pytest.mark.parametrize("make", ["py_function", "numpy_function"])
+def test_a_py_function_in_a_function_an_eager_tape_calls_is_refused_for_a_variable_not_read_yet(make):
+    """Found by an adversarial review: the body, run in one of TensorFlow's
+    threads when the function's graph ran, wrote a variable the tape had not
+    read yet; that passed for another thread's write made before the tape's
+    first read, and the tape lost the write's path through ``x``
+    (dy/dx 4.98 where the rewrite gives 14.93). Refused now; the same
+    function called outside every tape stays plain TensorFlow."""
+    v = tf.Variable([1.5, -0.5, 2.0], dtype=tf.float64, name="v_written")
+    x = tf.Variable(0.7, dtype=tf.float64, name="x_read")
+    e = tf.constant(1.25, tf.float64)
+
+    def body(scale: Any) -> Any:
+        v.assign(v * x * float(scale))
+        return scale
+
+    wrap = tf.py_function if make == "py_function" else tf.numpy_function
+    step = tf.function(lambda: wrap(body, [e], tf.float64))
+    with AssignAwareTape():
+        with pytest.raises((UntrackedWriteError, tf.errors.UnknownError), match="v_written.*py_function"):
+            step()
+    v.assign([1.5, -0.5, 2.0])
+    step()  # outside every tape: plain TensorFlow, the write made
+    np.testing.assert_allclose(v.numpy(), np.array([1.5, -0.5, 2.0]) * 0.7 * 1.25)
+
+
+def test_a_py_function_that_writes_nothing_in_a_function_an_eager_tape_calls_is_plain():
+    """The guard of the refusal above: a body that only reads runs, and the
+    tape's gradient is the rewrite's (y = 2 x v . v, dy/dx = 2 v . v)."""
+    v = tf.Variable([1.0, 2.0], dtype=tf.float64)
+    x = tf.Variable(3.0, dtype=tf.float64)
+    step = tf.function(lambda: tf.py_function(lambda: tf.reduce_sum(v * v), [], tf.float64))
+    with AssignAwareTape() as tape:
+        s = step()
+        y = 2.0 * x * tf.stop_gradient(s)
+    assert float(s) == 5.0 and float(tape.gradient(y, x)) == 10.0
