@@ -1522,9 +1522,14 @@ def refuse_unordered_graph(handles: Sequence[Any], op_name: str) -> None:
     creating: int = getattr(_tls, "creating", 0)
     if creating or not getattr(_tls, "scopes", None) or executing_eagerly():
         return
-    graph = ops.get_default_graph()
-    if getattr(graph, "_add_control_dependencies", False):
-        return
+    graph: Any = ops.get_default_graph()
+    while graph is not None:
+        # A graph staged inside a function being traced (AutoGraph traces a
+        # loop body once in a throwaway FuncGraph, with no automatic control
+        # dependencies, whose ops never run) is that function's business.
+        if getattr(graph, "_add_control_dependencies", False):
+            return
+        graph = getattr(graph, "outer_graph", None)
     for handle in handles:
         dtype = _resource_dtype(handle)
         if dtype is not None and not (dtype.is_floating or dtype.is_complex):
