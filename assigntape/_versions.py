@@ -1829,12 +1829,16 @@ def watched_in_order(found: Sequence[Any]) -> Tuple[Any, ...]:
     version's handle is made when it is written, so after writes the order
     would follow the writes. Ordered by the variables' own handles instead,
     as with no writes (code zips the list with another: TensorFlow
-    Probability's minimize carries it through a ``tf.cond``)."""
+    Probability's minimize carries it through a ``tf.cond``). A wrapper
+    TensorFlow lists (a ``MirroredVariable``, watched through its component's
+    handle) is ordered by the own handle of the variable it stands for here
+    (``resolve``: in a replica, that replica's component), as TensorFlow's
+    order would be with no writes."""
     unique: Dict[Any, Any] = {}
     for var in found:
         unique.setdefault(getattr(var, "_unique_id", None) or id(var), var)
     listed = tuple(unique.values())
-    ids: List[Any] = [getattr(var.__dict__.get("_handle"), "_id", None) for var in listed]
+    ids: List[Any] = [getattr(getattr(resolve(var), "__dict__", {}).get("_handle"), "_id", None) for var in listed]
     if None in ids:
         return listed  # (a variable with no handle of its own: TensorFlow's order kept)
     order: List[int] = sorted(range(len(listed)), key=ids.__getitem__)
