@@ -596,3 +596,4 @@ def test_watched_variables_in_replicas_are_tensorflows_list():
     for mode in ("eager", "compiled"):
         assert out[f"order/{mode}/plain"] == [[0, 1], [0, 1]], out[f"order/{mode}/plain"]
         assert out[f"order/{mode}/ours"] == out[f"order/{mode}/plain"], (mode, out[f"order/{mode}/ours"])
+    assert out["resolver_is_tensorflows"]  # TensorFlow's own again once no thread acts for a replica

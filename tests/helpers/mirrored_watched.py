@@ -150,6 +150,13 @@ def main() -> None:
     for mode in ("eager", "compiled"):
         for kind in ("plain", "ours"):
             out[f"order/{mode}/{kind}"] = order(strategy, kind, mode == "compiled")
+    # The resolver patch is in place only while a thread acts for a replica.
+    from tensorflow.python.distribute import distribute_lib
+    from tensorflow.python.eager import tape as eager_tape
+
+    out["resolver_is_tensorflows"] = (
+        eager_tape._variables_override is distribute_lib.get_local_results_or_value_container
+    )
     print(json.dumps(out))
 
 
