@@ -804,7 +804,6 @@ def acting_for(scope: Scope, merging: Sequence[Scope]) -> Iterator[None]:
     record the block's ops (TensorFlow keeps both sets per thread), and the
     variables they read are watched as the replica's reads are
     (``_distribute.watched_as_replica``, an ``acting_checks`` patch)."""
-    _count_acting(1)
     saved = getattr(_tls, "scopes", None), getattr(_tls, "merging", ())
     _tls.scopes, _tls.merging = {scope.key: scope}, tuple(merging)
     recording = _recording_tapes(scope)
@@ -813,6 +812,7 @@ def acting_for(scope: Scope, merging: Sequence[Scope]) -> Iterator[None]:
         eager_tape.push_tape(tape)
     for accumulator in accumulators:
         pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator)
+    _count_acting(1)  # (last: the finally below counts it off)
     try:
         yield
     finally:
