@@ -49,7 +49,14 @@ from assigntape._tf import (
 )
 from assigntape._wrapping import bind
 
-__all__ = ["aggregated_write", "cross_replica_reduce", "distributed_update", "non_slot_update", "replica_thread_run"]
+__all__ = [
+    "aggregated_write",
+    "cross_replica_reduce",
+    "distributed_update",
+    "non_slot_update",
+    "replica_thread_run",
+    "watched_as_replica",
+]
 
 
 def replica_thread_run(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -91,6 +98,26 @@ def replica_thread_run(wrapped: Callable[..., Any], instance: Any, args: Any, kw
 
     instance.main_fn = as_its_replica
     return wrapped(*args, **kwargs)
+
+
+def watched_as_replica(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``tape._variables_override``, TensorFlow's resolver of the variables a
+    read or write watches (``distribute_lib.get_local_results_or_value_container``):
+    acting for a replica (``_versions.acting_for``), the variable's container,
+    as in the replica's own context.
+
+    A cross-replica update runs in the main thread in cross-replica context,
+    where the resolver gives the component itself: the replica's tapes,
+    recording there, would watch replica 1's component ``a/replica_1`` beside
+    the ``MirroredVariable`` its own reads watched, and ``watched_variables()``
+    would list the variable twice (replica 0's component and the container
+    share a ``_unique_id``, so only the other replicas'). The container's
+    ``handle`` there is the component's (the update's replica), so what the
+    tape follows is the same."""
+    if not _versions.acting():
+        return wrapped(*args, **kwargs)
+    variable = args[0] if args else kwargs["variable"]
+    return [distribute_lib.get_strategy().extended.value_container(variable)]
 
 
 def _waiting_replica_context(thread: int) -> Any:

@@ -271,6 +271,10 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # MirroredVariable's replica-context write, which TensorFlow calls
         # through the module attribute.
         (distribute_values, "_on_write_update_replica", _distribute.aggregated_write),
+        # Which variables a read watches, from the tape module's resolver (which
+        # TensorFlow calls through the module attribute): as the replica's
+        # own reads, when acting for it in merge_call (_distribute).
+        (eager_tape, "_variables_override", _distribute.watched_as_replica),
         # Plain tapes beside ours name variables as ours do (_plain_tapes).
         (_plain_tapes.GRADIENT_TAPE, "__enter__", _plain_tapes.entered),
         (_plain_tapes.GRADIENT_TAPE, "__exit__", _plain_tapes.exited),
@@ -366,6 +370,10 @@ _SWITCHED = (_plain_tapes.gradient,)
 # name: every variable read calls them (``_versions.read_checks``).
 _READ_CHECKS = (_versions.accessed,)
 
+# In place only while some thread acts for a replica (``_versions.acting_checks``):
+# every variable read calls them too.
+_ACTING_CHECKS = (_distribute.watched_as_replica,)
+
 # (id(owner), attribute) -> the place of the patch there.
 _places: Dict[Tuple[int, str], Place] = {}
 
@@ -374,7 +382,7 @@ def _maker(owner: Any, function: Callable[..., Any]) -> Callable[[Any], Any]:
     """What builds the patch that calls ``function`` around what is found on ``owner``."""
     if function in _METHODS:
         return _METHODS[function]
-    plain = function in _ALWAYS_ON or function in _SWITCHED or function in _READ_CHECKS
+    plain = function in _ALWAYS_ON or function in _SWITCHED or function in _READ_CHECKS or function in _ACTING_CHECKS
     active = function if plain else _dormant(function)
     return lambda below: patch(owner, below, active, _PASSES.get(function))
 
@@ -390,6 +398,10 @@ def _put(owner: Any, name: str, function: Callable[..., Any]) -> None:
     if function in _READ_CHECKS:
         # Put in place (and taken off) by ``_versions``, when there is something to check.
         _versions.read_checks.append(place)
+        return
+    if function in _ACTING_CHECKS:
+        # Put in place (and taken off) by ``_versions.acting_for``.
+        _versions.acting_checks.append(place)
         return
     place.put(True)
     if function not in _ALWAYS_ON:

@@ -148,6 +148,7 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (backprop.GradientTape, "_pop_tape", "pausing one tape while recording on others"),
     (backprop.GradientTape, "_ensure_recording", "reading a version on a plain tape"),
     (eager_tape, "variable_accessed", "refusing reads of variables written unseen"),
+    (eager_tape, "_variables_override", "a replica's update in merge_call watches what the replica's reads watch"),
     (ops, "raise_from_not_ok_status", "a read failed in C++ raises the error the handle descriptor deferred"),
     (distribute_lib.StrategyExtendedV2, "update", "cross-replica updates"),
     (distribute_lib.StrategyExtendedV1, "update_non_slot", "tf.compat.v1 optimizers' non-slot updates"),

@@ -331,8 +331,11 @@ def serve_handles(on: bool) -> None:
         else:
             _serve_versions(False)
             _check_reads(False)
+            for place in acting_checks:
+                place.put(False)
             _serving = _switched = False
             read_checks.clear()
+            acting_checks.clear()
             switches.clear()
 
 
@@ -405,6 +408,11 @@ served: List[Tuple[Any, str, Any, Any]] = []
 # place only while ``_with_unnamed`` is not empty (``accessed``): every
 # variable read calls them, and until then they have nothing to do.
 read_checks: List[Any] = []
+# The places of the patches ``_patches`` puts in place only while some thread
+# acts for a replica (``acting_for``; how many do: ``_acting``): every variable
+# read calls them, and only a replica's work in merge_call needs them.
+acting_checks: List[Any] = []
+_acting = 0
 
 
 def _seed_from_around(scope: Scope) -> None:
@@ -793,7 +801,9 @@ def acting_for(scope: Scope, merging: Sequence[Scope]) -> Iterator[None]:
     """Runs the block in this thread as if in ``scope``'s (a replica thread
     paused in ``merge_call``, with the others of ``merging``): its versions
     are served and advanced, and its recording tapes and forward accumulators
-    record the block's ops (TensorFlow keeps both sets per thread)."""
+    record the block's ops (TensorFlow keeps both sets per thread), and the
+    variables they read are watched as the replica's reads are
+    (``_distribute.watched_as_replica``, an ``acting_checks`` patch)."""
     saved = getattr(_tls, "scopes", None), getattr(_tls, "merging", ())
     _tls.scopes, _tls.merging = {scope.key: scope}, tuple(merging)
     recording = _recording_tapes(scope)
@@ -802,6 +812,7 @@ def acting_for(scope: Scope, merging: Sequence[Scope]) -> Iterator[None]:
         eager_tape.push_tape(tape)
     for accumulator in accumulators:
         pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator)
+    _count_acting(1)  # (last: the finally below counts it off)
     try:
         yield
     finally:
@@ -810,6 +821,24 @@ def acting_for(scope: Scope, merging: Sequence[Scope]) -> Iterator[None]:
         for tape in reversed(recording):
             eager_tape.pop_tape(tape)
         _tls.scopes, _tls.merging = saved
+        _count_acting(-1)
+
+
+def _count_acting(step: int) -> None:
+    """One more (``step`` 1) or one fewer (-1) thread acting for a replica:
+    the ``acting_checks`` are in place while any does (the replica threads a
+    merge_call starts act at once)."""
+    global _acting
+    with _all_lock:
+        _acting += step
+        if _serving and _acting == (1 if step > 0 else 0):
+            for place in acting_checks:
+                place.put(step > 0)
+
+
+def acting() -> bool:
+    """Whether this thread is acting for a replica (``acting_for``)."""
+    return bool(getattr(_tls, "merging", ()))
 
 
 def _recording_accumulators(scope: Scope) -> List[Any]:
@@ -1805,12 +1834,16 @@ def watched_in_order(found: Sequence[Any]) -> Tuple[Any, ...]:
     version's handle is made when it is written, so after writes the order
     would follow the writes. Ordered by the variables' own handles instead,
     as with no writes (code zips the list with another: TensorFlow
-    Probability's minimize carries it through a ``tf.cond``)."""
+    Probability's minimize carries it through a ``tf.cond``). A wrapper
+    TensorFlow lists (a ``MirroredVariable``, watched through its component's
+    handle) is ordered by the own handle of the variable it stands for here
+    (``resolve``: in a replica, that replica's component), as TensorFlow's
+    order would be with no writes."""
     unique: Dict[Any, Any] = {}
     for var in found:
         unique.setdefault(getattr(var, "_unique_id", None) or id(var), var)
     listed = tuple(unique.values())
-    ids: List[Any] = [getattr(var.__dict__.get("_handle"), "_id", None) for var in listed]
+    ids: List[Any] = [getattr(getattr(resolve(var), "__dict__", {}).get("_handle"), "_id", None) for var in listed]
     if None in ids:
         return listed  # (a variable with no handle of its own: TensorFlow's order kept)
     order: List[int] = sorted(range(len(listed)), key=ids.__getitem__)

@@ -570,3 +570,30 @@ def test_forward_accumulators_in_replicas():
             assert got["result"] == [[8.0, 8.0], [8.0, 8.0]], (label, got)
         if label.startswith("aware"):
             assert got["result"] == out[label.replace("aware", "plain")]["result"], label
+
+
+def test_watched_variables_in_replicas_are_tensorflows_list():
+    """watched_variables() in each replica after an optimizer step inside the
+    tapes (its update made in merge_call, as each replica), for an
+    AssignAwareTape and the plain tape around it that it follows, eager and
+    compiled: the MirroredVariables c, a, b, each once, in TensorFlow's order,
+    the very objects a plain tf.GradientTape alone lists. Was: replica 1
+    listed its components a/replica_1 and b/replica_1 as well (Keras 3's
+    optimizers and LossScaleOptimizer), with their gradients again. The
+    gradients w.r.t. the list, summed over the replicas, equal the
+    assignment-free rewrite's. And a variable first watched through a version
+    (written unrecorded, then read) keeps its place: was listed after b."""
+    out = _helper_output("mirrored_watched")
+    for name in ("keras_SGD_momentum", "keras_LossScale_SGD", "legacy_SGD_momentum", "v1_Momentum"):
+        rewrite = out[f"{name}/rewrite"]
+        modes = ("eager",) if name == "keras_LossScale_SGD" else ("eager", "compiled")
+        for mode in modes:
+            plain, ours = out[f"{name}/{mode}/plain"], out[f"{name}/{mode}/ours"]
+            assert plain["tape"] == plain["plain"] == [[0, 1, 2]] * len(plain["tape"]), (name, mode, plain)
+            assert ours["tape"] == ours["plain"] == plain["tape"], (name, mode, ours)
+            summed = np.sum(ours["grads"], axis=0)
+            np.testing.assert_allclose(summed, rewrite, rtol=1e-5, err_msg=f"{name} {mode}")
+    for mode in ("eager", "compiled"):
+        assert out[f"order/{mode}/plain"] == [[0, 1], [0, 1]], out[f"order/{mode}/plain"]
+        assert out[f"order/{mode}/ours"] == out[f"order/{mode}/plain"], (mode, out[f"order/{mode}/ours"])
+    assert out["resolver_is_tensorflows"]  # TensorFlow's own again once no thread acts for a replica
