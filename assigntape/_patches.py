@@ -494,8 +494,7 @@ def acquire(holder: Any = None) -> None:
     """``holder`` (an open tape's record) needs the patches: the first
     installs them. With no holder, only installs them."""
     # (One line: see _versions._list.)
-    with _leases.lock:
-        _acquire_locked(holder)  # noqa: E701
+    with _leases.lock: _acquire_locked(holder)  # noqa: E701  # fmt: skip
 
 
 def _acquire_locked(holder: Any) -> None:

@@ -134,8 +134,7 @@ def enter_method(original: Callable[..., Any]) -> Callable[..., Any]:
         # All or nothing: an exception from here on (a KeyboardInterrupt)
         # pops the tape TensorFlow pushed and forgets it. (One line: the
         # ``try`` line's own line event is then inside it.)
-        try:
-            return note(self, result)  # noqa: E701
+        try: return note(self, result)  # noqa: E701  # fmt: skip
         except BaseException:
             _undo_entry(self)
             raise
@@ -168,8 +167,7 @@ def exit_method(original: Callable[..., Any]) -> Callable[..., Any]:
         # Exiting always finishes: after an exception at any point of it (a
         # KeyboardInterrupt), TensorFlow's exit and ``exited`` run again
         # (each can), then it goes on. (One line: see ``enter_method``.)
-        try:
-            return close(self, args, kwargs)  # noqa: E701
+        try: return close(self, args, kwargs)  # noqa: E701  # fmt: skip
         except BaseException:
             if getattr(self, "_recording", False):
                 self._pop_tape()

@@ -189,8 +189,7 @@ class AssignAwareTape(tf.GradientTape):
         # KeyboardInterrupt from a signal handler) has every step run once
         # more (each can be), then goes on. (One line: the ``try`` line's own
         # line event is then inside it.)
-        try:
-            self._exit(typ, value, traceback)  # noqa: E701
+        try: self._exit(typ, value, traceback)  # noqa: E701  # fmt: skip
         except BaseException:
             scope = self._scope
             if scope is not None:

@@ -279,8 +279,7 @@ def open_scope(tape_record: Record) -> Scope:
 
 
 def _list(scope: Scope) -> None:
-    with _all_lock:
-        _list_locked(scope)  # noqa: E701 - see above
+    with _all_lock: _list_locked(scope)  # noqa: E701 - see above  # fmt: skip
 
 
 def _list_locked(scope: Scope) -> None:
@@ -373,8 +372,7 @@ def hold_closed(tape_record: Record) -> None:
     """A tape closes and may be entered again (or asked for gradients): its
     record notes the writes made meanwhile, so the write patches must be in
     place while it lives."""
-    with _all_lock:
-        _hold_closed_locked(tape_record)  # noqa: E701 - see _list
+    with _all_lock: _hold_closed_locked(tape_record)  # noqa: E701 - see _list  # fmt: skip
 
 
 def _hold_closed_locked(tape_record: Record) -> None:
@@ -640,14 +638,12 @@ def _drop(scope: Scope) -> None:
     again, and the scope stays found (in this thread's scopes, with its
     holders) until it is unlisted everywhere: an interrupted tape exit
     finishes by dropping it once more (``finish_close``, ``release_holder``)."""
-    with _all_lock:
-        _unlist_locked(scope)  # noqa: E701 - see _list
+    with _all_lock: _unlist_locked(scope)  # noqa: E701 - see _list  # fmt: skip
     scopes = _scopes()
     if scopes.get(scope.key) is scope:
         del scopes[scope.key]
     if _with_unnamed:
-        with _all_lock:
-            _unlist_unnamed_locked(scope)  # noqa: E701 - see _list
+        with _all_lock: _unlist_unnamed_locked(scope)  # noqa: E701 - see _list  # fmt: skip
     scope.current.clear()
     scope.owners.clear()
     scope.pinned.clear()
