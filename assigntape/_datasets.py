@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Tuple
 
 from assigntape import _functions, _leases, _versions
-from assigntape._tf import dataset_ops, executing_eagerly, ops
+from assigntape._tf import dataset_ops, executing_eagerly, iterator_ops, nest, ops
 
-__all__ = ["next_element", "reduce_dataset", "single_element"]
+__all__ = ["function_call", "next_element", "reduce_dataset", "single_element"]
 
 # What to do instead: the runtime runs these functions, so
 # tf.config.run_functions_eagerly does not reach them.
@@ -36,11 +36,22 @@ _GRAPH_FIXES = (
 
 def _dataset_writes(dataset: Any) -> List[_functions.Write]:
     """The writes of every function ``dataset`` runs, its own and its input
-    datasets' (cached per dataset: a dataset is immutable)."""
+    datasets', and those of the dataset argument it stands for, inside a
+    ``tf.function``'s graph (``_passed_writes``)."""
+    return _walk(dataset)[0]
+
+
+def _walk(dataset: Any) -> Tuple[List[_functions.Write], bool]:
+    """``_dataset_writes``, and whether they may be cached: a dataset is
+    immutable, but one built on a dataset argument inside a trace stands for
+    whatever dataset the call passes."""
     cached = _cache.get(dataset)
     if cached is not None:
-        return cached
+        return cached, True
+    if isinstance(dataset, dataset_ops._VariantDataset):
+        return _passed_writes(dataset._variant_tensor, dataset.element_spec, iterator=False), False
     writes: List[_functions.Write] = []
+    cacheable = True
     try:
         functions = dataset._functions()
         inputs = dataset._inputs()
@@ -57,12 +68,26 @@ def _dataset_writes(dataset: Any) -> List[_functions.Write]:
         writes += _functions.function_writes(function, handles)
     for parent in inputs:
         if isinstance(parent, dataset_ops.DatasetV2):
-            writes += _dataset_writes(parent)
-    try:
-        _cache[dataset] = writes
-    except TypeError:
-        pass  # not weakly referable: found again next time
-    return writes
+            found, fixed = _walk(parent)
+            writes += found
+            cacheable = cacheable and fixed
+    if cacheable:
+        try:
+            _cache[dataset] = writes
+        except TypeError:
+            pass  # not weakly referable: found again next time
+    return writes, cacheable
+
+
+def _iterator_writes(iterator: Any) -> List[_functions.Write]:
+    """The writes of the functions an ``OwnedIterator`` runs: its dataset's,
+    or, for an iterator argument inside a ``tf.function``'s graph (made from
+    its resource, without its dataset), the iterator passed's."""
+    dataset = getattr(iterator, "_dataset", None)
+    if dataset is not None:
+        return _dataset_writes(dataset)
+    resource = getattr(iterator, "_iterator_resource", None)
+    return _passed_writes(resource, iterator.element_spec, iterator=True) if resource is not None else []
 
 
 _cache: "weakref.WeakKeyDictionary[Any, List[_functions.Write]]" = weakref.WeakKeyDictionary()
@@ -85,10 +110,20 @@ def _guarded(writes: List[_functions.Write], context: str, run: Callable[[], Any
     if not executing_eagerly():
         # A dataset made outside the graph being traced and captured: its
         # functions are not among the graph's, so a call of it from an
-        # eager tape would not find the writes in its graph.
-        _functions.note_hidden_writes(ops.get_default_graph(), writes)
+        # eager tape would not find the writes in its graph. (Not a dataset
+        # argument's: the next call may pass another; ``function_call``
+        # finds those at each call.)
+        passed = {id(w) for entry in getattr(_calls, "stack", ()) for _, _, found in entry for w in found}
+        hidden = [w for w in writes if id(w) not in passed]
+        _functions.note_hidden_writes(ops.get_default_graph(), hidden)
         if not _versions._all_scopes and not _leases.closed_refs:
             return run()
+        if not hidden:
+            # Only a dataset argument's writes: refused here if a tape is
+            # open in this graph; for a tape outside it, at each call.
+            scope = _versions.call_context()
+            if scope is None or scope[0].key is None:
+                return run()
     found = _versions.call_context()
     if found is None:
         _functions.outside_writes(writes, context)
@@ -99,6 +134,68 @@ def _guarded(writes: List[_functions.Write], context: str, run: Callable[[], Any
     result = run()
     _functions.cut_writes(scope, variables, context)
     return result
+
+
+# Per thread, for each ``tf.function`` call running (its trace included), the
+# datasets and iterators among its arguments whose functions write: whether
+# each is an iterator, its element spec, and the writes.
+_calls = threading.local()
+Passed = Tuple[bool, Any, List[_functions.Write]]
+
+
+def _passed_writes(component: Any, spec: Any, iterator: bool) -> List[_functions.Write]:
+    """Inside the trace of a ``tf.function`` call, the writes of the dataset
+    (or iterator) argument whose placeholder ``component`` is. The trace
+    does not say which argument a placeholder stands for: any argument of
+    the same kind and element spec may be it, so the writes of all such."""
+    if executing_eagerly() or getattr(getattr(component, "op", None), "type", None) != "Placeholder":
+        return []
+    stack = getattr(_calls, "stack", None)
+    if not stack:
+        return []
+    return [w for kind, passed_spec, writes in stack[-1] if kind == iterator and passed_spec == spec for w in writes]
+
+
+def _arguments_writes(arguments: Any) -> List[Passed]:
+    """The datasets and iterators among a call's arguments (nested in
+    lists, tuples, dicts), each whose functions write, with those writes."""
+    found: List[Passed] = []
+    try:
+        leaves = nest.flatten(arguments)
+    except (TypeError, ValueError):
+        return found  # TensorFlow's own binding of the call raises
+    for leaf in leaves:
+        if isinstance(leaf, dataset_ops.DatasetV2):
+            writes, iterator = _dataset_writes(leaf), False
+        elif isinstance(leaf, iterator_ops.OwnedIterator):
+            writes, iterator = _iterator_writes(leaf), True
+        else:
+            continue
+        if writes:
+            found.append((iterator, leaf.element_spec, writes))
+    return found
+
+
+def function_call(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``Function._call``: a ``tf.function`` called with its Python
+    arguments. A dataset or iterator passed runs its functions inside the
+    function's graph, where they are not among the graph's own (the graph
+    sees a placeholder): their writes are the function's writes, refused or
+    cut at the call as those of a function that writes, and, in the trace,
+    where an iterator or reduce runs them (``_passed_writes``). Always on:
+    the tape may open inside the function."""
+    found = _arguments_writes((args, kwargs))
+    stack = _calls.__dict__.setdefault("stack", [])
+    stack.append(found)
+    try:
+        if not found or _idle():
+            return wrapped(*args, **kwargs)
+        writes = [w for _, _, passed in found for w in passed]
+        name = getattr(instance, "_name", "function")
+        context = _context(writes, f"tf.function {name!r}, which was given the dataset or iterator as an argument")
+        return _guarded(writes, context, lambda: wrapped(*args, **kwargs))
+    finally:
+        stack.pop()
 
 
 def _context(writes: List[_functions.Write], where: str) -> str:
@@ -112,8 +209,7 @@ def next_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
     element's functions run now (or ran ahead, prefetched)."""
     if _idle():
         return wrapped(*args, **kwargs)
-    dataset = getattr(instance, "_dataset", None)
-    writes = _dataset_writes(dataset) if dataset is not None else []
+    writes = _iterator_writes(instance)
     if not writes:
         return wrapped(*args, **kwargs)
     context = _context(writes, "an iterator's next element")

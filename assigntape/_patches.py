@@ -50,6 +50,7 @@ from assigntape import (
 )
 from assigntape._tf import (
     ConcreteFunction,
+    Function,
     UnliftedInitializerVariable,
     array_ops,
     cond_v2,
@@ -248,6 +249,8 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (dataset_ops.DatasetV2, "reduce", _datasets.reduce_dataset),
         (dataset_ops.DatasetV2, "get_single_element", _datasets.single_element),
         (gen_dataset_ops, "reduce_dataset", _datasets.reduce_op),
+        # A tf.function given datasets or iterators as arguments (_datasets).
+        (Function, "_call", _datasets.function_call),
         # Reads of variables written through handles no tape could name (_versions).
         (eager_tape, "variable_accessed", _versions.accessed),
         # An op that failed in C++ (every generated op wrapper raises through
@@ -327,6 +330,7 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
 # traced before the first tape around a dataset that writes (_datasets).
 _ALWAYS_ON = (
     _saving.trace_gradient_functions,
+    _datasets.function_call,
     _datasets.next_element,
     _datasets.reduce_dataset,
     _datasets.reduce_op,
