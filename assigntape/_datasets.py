@@ -6,9 +6,10 @@ runs when elements are produced, in its own threads: the tape never sees
 their writes. Reads after such a write would credit the version from before
 it, a silently wrong gradient. So the points where a dataset's functions run
 for the caller (an iterator's next element, ``reduce``,
-``get_single_element``) find the variables those functions write, from their
-graphs, as ``_functions`` does for a ``tf.function`` call, and refuse (or
-cut) before they run.
+``get_single_element``, ``save``, a ``tf.function`` given the dataset or an
+iterator as an argument) find the variables those functions write, from
+their graphs, as ``_functions`` does for a ``tf.function`` call, and refuse
+(or cut) before they run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Callable, List, Tuple
 from assigntape import _functions, _leases, _versions
 from assigntape._tf import dataset_ops, executing_eagerly, iterator_ops, nest, ops
 
-__all__ = ["function_call", "next_element", "reduce_dataset", "single_element"]
+__all__ = ["function_call", "next_element", "reduce_dataset", "save_dataset", "single_element"]
 
 # What to do instead: the runtime runs these functions, so
 # tf.config.run_functions_eagerly does not reach them.
@@ -216,15 +217,29 @@ def next_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
     return _guarded(writes, context, lambda: wrapped(*args, **kwargs))
 
 
-def single_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``Dataset.get_single_element``: the dataset's functions run now."""
-    if _idle():
-        return wrapped(*args, **kwargs)
-    writes = _dataset_writes(instance)
-    if not writes:
-        return wrapped(*args, **kwargs)
-    context = _context(writes, "Dataset.get_single_element")
-    return _guarded(writes, context, lambda: wrapped(*args, **kwargs))
+Hook = Callable[[Callable[..., Any], Any, Any, Any], Any]
+
+
+def _runs_dataset(where: str) -> Hook:
+    """The hook of a ``Dataset`` method that runs the dataset's functions now
+    (all its elements, or its one): ``where`` names it in refusals."""
+
+    def hook(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+        if _idle():
+            return wrapped(*args, **kwargs)
+        writes = _dataset_writes(instance)
+        if not writes:
+            return wrapped(*args, **kwargs)
+        return _guarded(writes, _context(writes, where), lambda: wrapped(*args, **kwargs))
+
+    hook.__name__ = hook.__qualname__ = f"runs_{where.rsplit('.', 1)[-1]}"
+    hook.__doc__ = f"``{where}``: the dataset's functions run now."
+    return hook
+
+
+single_element = _runs_dataset("Dataset.get_single_element")
+# (Its shard_func, traced inside, is not scanned: see the known limits.)
+save_dataset = _runs_dataset("Dataset.save")
 
 
 def reduce_dataset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:

@@ -248,6 +248,7 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (iterator_ops.OwnedIterator, "get_next_as_optional", _datasets.next_element),
         (dataset_ops.DatasetV2, "reduce", _datasets.reduce_dataset),
         (dataset_ops.DatasetV2, "get_single_element", _datasets.single_element),
+        (dataset_ops.DatasetV2, "save", _datasets.save_dataset),
         (gen_dataset_ops, "reduce_dataset", _datasets.reduce_op),
         # A tf.function given datasets or iterators as arguments (_datasets).
         (Function, "_call", _datasets.function_call),
@@ -334,6 +335,7 @@ _ALWAYS_ON = (
     _datasets.next_element,
     _datasets.reduce_dataset,
     _datasets.reduce_op,
+    _datasets.save_dataset,
     _datasets.single_element,
     _control_flow.branch_gradient,
     _control_flow.loop_gradient,

@@ -216,3 +216,62 @@ def test_a_dataset_argument_that_writes_nothing_is_not_refused_from_the_tape() -
     gx, gv = tape.gradient(y, [x, v])
     np.testing.assert_allclose(float(gx), V0.sum() * E)
     np.testing.assert_allclose(np.asarray(gv), np.full(3, E * X0))
+
+
+# -- Dataset.save ----------------------------------------------------------------
+
+
+def test_dataset_save_of_a_writing_dataset_is_refused_eagerly() -> None:
+    v, x, ds = _program()
+    with AssignAwareTape() as tape:
+        before = tf.reduce_sum(v)
+        with pytest.raises(UntrackedWriteError, match=r"(?s)(?=.*v_written)(?=.*Dataset\.save)"):
+            ds.save(tempfile.mkdtemp())
+    np.testing.assert_array_equal(v.numpy(), V0)
+    del tape, before, x
+
+
+def test_dataset_save_of_a_writing_dataset_is_cut_by_option() -> None:
+    v, x, ds = _program()
+    path = os.path.join(tempfile.mkdtemp(), "saved")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with AssignAwareTape(untracked_writes="cut") as tape:
+            before = tf.reduce_sum(v)
+            ds.save(path)
+            y = tf.reduce_sum(v * v) * x + 0.0 * before
+    assert any("Dataset.save" in str(w.message) for w in caught)
+    gx, gv = tape.gradient(y, [x, v])
+    y_ref, (gx_ref, gv_ref) = _cut_oracle()
+    np.testing.assert_allclose(float(y), y_ref)
+    np.testing.assert_allclose(float(gx), gx_ref)
+    np.testing.assert_allclose(_plain(gv), gv_ref)
+
+
+def test_dataset_save_in_the_tapes_function_is_refused_while_tracing() -> None:
+    v, x, ds = _program()
+    path = tempfile.mkdtemp()
+
+    @tf.function
+    def step() -> Any:
+        with AssignAwareTape() as tape:
+            before = tf.reduce_sum(v)
+            saved = ds.save(path)
+            with tf.control_dependencies([saved] if saved is not None else []):
+                y = tf.reduce_sum(v * v) * x + 0.0 * before
+        return y, tape.gradient(y, [x, v])
+
+    with pytest.raises(ControlFlowWriteError, match=r"(?s)(?=.*v_written)(?=.*Dataset\.save)"):
+        step()
+    np.testing.assert_array_equal(v.numpy(), V0)
+
+
+def test_dataset_save_of_a_dataset_that_writes_nothing_runs_in_a_tape() -> None:
+    ds = tf.data.Dataset.from_tensor_slices(tf.constant([1.0, 2.0], tf.float64))
+    path = os.path.join(tempfile.mkdtemp(), "saved")
+    v = tf.Variable(V0, dtype=tf.float64)
+    with AssignAwareTape() as tape:
+        ds.save(path)
+        y = tf.reduce_sum(v * v)
+    np.testing.assert_allclose(tape.gradient(y, v).numpy(), 2 * V0)  # d sum(v^2) / dv = 2v
+    np.testing.assert_allclose([e.numpy() for e in tf.data.Dataset.load(path)], [1.0, 2.0])
