@@ -19,9 +19,9 @@ import weakref
 from typing import Any, Callable, List, Tuple
 
 from assigntape import _functions, _leases, _versions
-from assigntape._tf import dataset_ops, executing_eagerly, iterator_ops, nest, ops
+from assigntape._tf import composite_tensor, dataset_ops, executing_eagerly, iterator_ops, nest, ops
 
-__all__ = ["function_call", "next_element", "reduce_dataset", "save_dataset", "single_element"]
+__all__ = ["function_call", "multi_device_iterator", "next_element", "reduce_dataset", "save_dataset", "single_element"]
 
 # What to do instead: the runtime runs these functions, so
 # tf.config.run_functions_eagerly does not reach them.
@@ -81,14 +81,39 @@ def _walk(dataset: Any) -> Tuple[List[_functions.Write], bool]:
 
 
 def _iterator_writes(iterator: Any) -> List[_functions.Write]:
-    """The writes of the functions an ``OwnedIterator`` runs: its dataset's,
-    or, for an iterator argument inside a ``tf.function``'s graph (made from
-    its resource, without its dataset), the iterator passed's."""
+    """The writes of the functions an ``OwnedIterator`` runs: its dataset's
+    (for an iterator argument inside a ``tf.function``'s graph, made from
+    its resource without its dataset, the iterator passed's), and, for a
+    per-device iterator of ``tf.distribute``, its source dataset's."""
     dataset = getattr(iterator, "_dataset", None)
     if dataset is not None:
-        return _dataset_writes(dataset)
-    resource = getattr(iterator, "_iterator_resource", None)
-    return _passed_writes(resource, iterator.element_spec, iterator=True) if resource is not None else []
+        writes = _dataset_writes(dataset)
+    else:
+        resource = getattr(iterator, "_iterator_resource", None)
+        writes = _passed_writes(resource, iterator.element_spec, iterator=True) if resource is not None else []
+    source = _sources.get(iterator)
+    return writes + _dataset_writes(source) if source is not None else writes
+
+
+def multi_device_iterator(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``OwnedMultiDeviceIterator.__init__`` (MirroredStrategy's distributed
+    datasets): each device's iterator runs a dataset of its own that takes
+    its elements from the source dataset's iterator, on the host, whose
+    functions run as a device's next element is asked for. Each device's
+    iterator is noted with the source dataset. Always on: the iterator may
+    be made before the tape opens."""
+    result = wrapped(*args, **kwargs)
+    dataset = kwargs.get("dataset", args[0] if args else None)
+    if isinstance(dataset, dataset_ops.DatasetV2):
+        for iterator in getattr(instance, "_device_iterators", ()):
+            try:
+                _sources[iterator] = dataset
+            except TypeError:
+                pass  # not weakly referable
+    return result
+
+
+_sources: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 _cache: "weakref.WeakKeyDictionary[Any, List[_functions.Write]]" = weakref.WeakKeyDictionary()
@@ -157,9 +182,11 @@ def _passed_writes(component: Any, spec: Any, iterator: bool) -> List[_functions
     return [w for kind, passed_spec, writes in stack[-1] if kind == iterator and passed_spec == spec for w in writes]
 
 
-def _arguments_writes(arguments: Any) -> List[Passed]:
+def _arguments_writes(arguments: Any, depth: int = 0) -> List[Passed]:
     """The datasets and iterators among a call's arguments (nested in
-    lists, tuples, dicts), each whose functions write, with those writes."""
+    lists, tuples, dicts, and in composite tensors: ``tf.distribute``'s
+    distributed datasets and iterators hold them), each whose functions
+    write, with those writes."""
     found: List[Passed] = []
     try:
         leaves = nest.flatten(arguments)
@@ -171,10 +198,21 @@ def _arguments_writes(arguments: Any) -> List[Passed]:
         elif isinstance(leaf, iterator_ops.OwnedIterator):
             writes, iterator = _iterator_writes(leaf), True
         else:
+            if isinstance(leaf, composite_tensor.CompositeTensor) and depth < _DEPTH:
+                try:
+                    components = leaf._type_spec._to_components(leaf)
+                except (AttributeError, NotImplementedError, TypeError, ValueError):
+                    continue
+                found += _arguments_writes(components, depth + 1)
             continue
         if writes:
             found.append((iterator, leaf.element_spec, writes))
     return found
+
+
+# How deep composite arguments are searched for datasets (a distributed
+# iterator: its workers' iterators, their multi-device iterator, its devices').
+_DEPTH = 4
 
 
 def function_call(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:

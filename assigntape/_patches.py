@@ -67,6 +67,7 @@ from assigntape._tf import (
     gradients_util,
     iterator_ops,
     mirrored_run,
+    multi_device_iterator_ops,
     ops,
     parallel_for,
     pywrap_tfe,
@@ -249,6 +250,8 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (dataset_ops.DatasetV2, "reduce", _datasets.reduce_dataset),
         (dataset_ops.DatasetV2, "get_single_element", _datasets.single_element),
         (dataset_ops.DatasetV2, "save", _datasets.save_dataset),
+        # tf.distribute's per-device iterators, fed by their source dataset (_datasets).
+        (multi_device_iterator_ops.OwnedMultiDeviceIterator, "__init__", _datasets.multi_device_iterator),
         (gen_dataset_ops, "reduce_dataset", _datasets.reduce_op),
         # A tf.function given datasets or iterators as arguments (_datasets).
         (Function, "_call", _datasets.function_call),
@@ -336,6 +339,7 @@ _ALWAYS_ON = (
     _datasets.reduce_dataset,
     _datasets.reduce_op,
     _datasets.save_dataset,
+    _datasets.multi_device_iterator,
     _datasets.single_element,
     _control_flow.branch_gradient,
     _control_flow.loop_gradient,

@@ -32,7 +32,7 @@ try:
     from tensorflow.python.autograph.core import config, config_lib
 
     # tf.data: where a dataset's functions run (iterators, reduce, single elements).
-    from tensorflow.python.data.ops import dataset_ops, iterator_ops
+    from tensorflow.python.data.ops import dataset_ops, iterator_ops, multi_device_iterator_ops
 
     # Strategies' update(), and the container a distributed component belongs to.
     # MirroredStrategy's replica threads (a merge_call's own call_for_each_replica).
@@ -198,6 +198,7 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (dataset_ops.DatasetV2, "_inputs", "the datasets whose functions an iterator runs"),
     (dataset_ops.DatasetV2, "_functions", "the functions a dataset runs, which may write variables"),
     (dataset_ops, "_VariantDataset", "a dataset argument inside a tf.function's graph"),
+    (multi_device_iterator_ops.OwnedMultiDeviceIterator, "__init__", "tf.distribute's per-device iterators"),
     (Function, "_call", "a tf.function call, with the datasets among its arguments"),
     (iterator_ops.OwnedIterator, "_next_internal", "a dataset's functions run at each element"),
     (script_ops, "_internal_py_func", "py_function bodies run when a tape's graph runs"),
@@ -290,6 +291,7 @@ __all__ = [
     "dataset_ops",
     "gen_dataset_ops",
     "iterator_ops",
+    "multi_device_iterator_ops",
     "default_gradient",
     "distribute_lib",
     "distribute_utils",

@@ -13,9 +13,13 @@ Never the gradient of the version before the write.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
@@ -275,3 +279,32 @@ def test_dataset_save_of_a_dataset_that_writes_nothing_runs_in_a_tape() -> None:
         y = tf.reduce_sum(v * v)
     np.testing.assert_allclose(tape.gradient(y, v).numpy(), 2 * V0)  # d sum(v^2) / dv = 2v
     np.testing.assert_allclose([e.numpy() for e in tf.data.Dataset.load(path)], [1.0, 2.0])
+
+
+# -- MirroredStrategy's distributed datasets (in a fresh process) ----------------
+
+
+def test_distributed_datasets_that_write_are_refused_and_quiet_ones_run() -> None:
+    """tests/helpers/mirrored_datasets.py: a distributed dataset (either kind)
+    whose map writes ``v`` is refused, eagerly (looped over, or given to a
+    tf.function as a dataset or iterator) with ``UntrackedWriteError`` and in
+    the tape's function (made there, captured, given) with
+    ``ControlFlowWriteError``, ``v`` unwritten; a step given a distributed
+    iterator whose dataset writes nothing gives the plain tape's gradients."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "helpers.mirrored_datasets"],
+        cwd=root / "tests",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    got, expected = out.pop("quiet_step")
+    np.testing.assert_allclose(got, expected)
+    for case, (error, unwritten) in out.items():
+        want = "ControlFlowWriteError" if case.startswith("compiled/") else "UntrackedWriteError"
+        assert (error, unwritten) == (want, True), case
