@@ -199,16 +199,38 @@ def _arguments_writes(arguments: Any, depth: int = 0) -> List[Passed]:
             writes, iterator = _iterator_writes(leaf), True
         else:
             if isinstance(leaf, composite_tensor.CompositeTensor) and depth < _DEPTH:
-                try:
-                    components = leaf._type_spec._to_components(leaf)
-                except (AttributeError, NotImplementedError, TypeError, ValueError):
-                    continue
-                found += _arguments_writes(components, depth + 1)
+                found += _composite_writes(leaf, depth)
             continue
         if writes:
             found.append((iterator, leaf.element_spec, writes))
     return found
 
+
+def _composite_writes(leaf: Any, depth: int) -> List[Passed]:
+    """``_arguments_writes`` of a composite tensor's components: only of
+    tf.data's and tf.distribute's own (a ragged or sparse tensor holds no
+    dataset, and building its type spec at each call would cost), cached
+    per object (what it holds does not change)."""
+    if not type(leaf).__module__.startswith(_HOLDERS):
+        return []
+    cached = _composites.get(leaf)
+    if cached is not None:
+        return cached
+    try:
+        components = leaf._type_spec._to_components(leaf)
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        return []
+    found = _arguments_writes(components, depth + 1)
+    if executing_eagerly():  # (a graph's placeholders stand for any argument)
+        try:
+            _composites[leaf] = found
+        except TypeError:
+            pass  # not weakly referable
+    return found
+
+
+_HOLDERS = ("tensorflow.python.distribute.", "tensorflow.python.data.")
+_composites: "weakref.WeakKeyDictionary[Any, List[Passed]]" = weakref.WeakKeyDictionary()
 
 # How deep composite arguments are searched for datasets (a distributed
 # iterator: its workers' iterators, their multi-device iterator, its devices').
