@@ -238,8 +238,8 @@ _DEPTH = 4
 
 
 def function_call(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``Function._call``: a ``tf.function`` called with its Python
-    arguments. A dataset or iterator passed runs its functions inside the
+    """``Function._call`` and ``ConcreteFunction.__call__``: a
+    ``tf.function`` called with its Python arguments. A dataset or iterator passed runs its functions inside the
     function's graph, where they are not among the graph's own (the graph
     sees a placeholder): their writes are the function's writes, refused or
     cut at the call as those of a function that writes, and, in the trace,
@@ -252,7 +252,7 @@ def function_call(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
         if not found or _idle():
             return wrapped(*args, **kwargs)
         writes = [w for _, _, passed in found for w in passed]
-        name = getattr(instance, "_name", "function")
+        name = getattr(instance, "_name", None) or getattr(instance.graph, "name", "function")
         context = _context(writes, f"tf.function {name!r}, which was given the dataset or iterator as an argument")
         return _guarded(writes, context, lambda: wrapped(*args, **kwargs))
     finally:

@@ -255,6 +255,7 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (gen_dataset_ops, "reduce_dataset", _datasets.reduce_op),
         # A tf.function given datasets or iterators as arguments (_datasets).
         (Function, "_call", _datasets.function_call),
+        (ConcreteFunction, "__call__", _datasets.function_call),
         # Reads of variables written through handles no tape could name (_versions).
         (eager_tape, "variable_accessed", _versions.accessed),
         # An op that failed in C++ (every generated op wrapper raises through

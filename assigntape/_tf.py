@@ -200,6 +200,7 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (dataset_ops, "_VariantDataset", "a dataset argument inside a tf.function's graph"),
     (multi_device_iterator_ops.OwnedMultiDeviceIterator, "__init__", "tf.distribute's per-device iterators"),
     (Function, "_call", "a tf.function call, with the datasets among its arguments"),
+    (ConcreteFunction, "__call__", "a concrete function's call, with the datasets among its arguments"),
     (iterator_ops.OwnedIterator, "_next_internal", "a dataset's functions run at each element"),
     (script_ops, "_internal_py_func", "py_function bodies run when a tape's graph runs"),
     (saved_model_save, "_trace_gradient_functions", "refusing to save the gradients of a tape's writes"),
