@@ -133,6 +133,7 @@ def _idle() -> bool:
 def _guarded(writes: List[_functions.Write], context: str, run: Callable[[], Any]) -> Any:
     """Runs ``run`` (which runs dataset functions making ``writes``) as the
     tapes around it allow: refused, or run and then cut."""
+    hidden = writes
     if not executing_eagerly():
         # A dataset made outside the graph being traced and captured: its
         # functions are not among the graph's, so a call of it from an
@@ -144,13 +145,11 @@ def _guarded(writes: List[_functions.Write], context: str, run: Callable[[], Any
         _functions.note_hidden_writes(ops.get_default_graph(), hidden)
         if not _versions._all_scopes and not _leases.closed_refs:
             return run()
-        if not hidden:
-            # Only a dataset argument's writes: refused here if a tape is
-            # open in this graph; for a tape outside it, at each call.
-            scope = _versions.call_context()
-            if scope is None or scope[0].key is None:
-                return run()
     found = _versions.call_context()
+    if not hidden and (found is None or found[0].key is None):
+        # Only a dataset argument's writes (in a trace): refused here if a
+        # tape is open in this graph; for a tape outside it, at each call.
+        return run()
     if found is None:
         _functions.outside_writes(writes, context)
         return run()
