@@ -6,21 +6,22 @@ runs when elements are produced, in its own threads: the tape never sees
 their writes. Reads after such a write would credit the version from before
 it, a silently wrong gradient. So the points where a dataset's functions run
 for the caller (an iterator's next element, ``reduce``,
-``get_single_element``) find the variables those functions write, from their
-graphs, as ``_functions`` does for a ``tf.function`` call, and refuse (or
-cut) before they run.
+``get_single_element``, ``save``, a ``tf.function`` given the dataset or an
+iterator as an argument) find the variables those functions write, from
+their graphs, as ``_functions`` does for a ``tf.function`` call, and refuse
+(or cut) before they run.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Tuple
 
 from assigntape import _functions, _leases, _versions
-from assigntape._tf import dataset_ops, executing_eagerly, ops
+from assigntape._tf import composite_tensor, dataset_ops, executing_eagerly, iterator_ops, nest, ops
 
-__all__ = ["next_element", "reduce_dataset", "single_element"]
+__all__ = ["function_call", "multi_device_iterator", "next_element", "reduce_dataset", "save_dataset", "single_element"]
 
 # What to do instead: the runtime runs these functions, so
 # tf.config.run_functions_eagerly does not reach them.
@@ -36,11 +37,22 @@ _GRAPH_FIXES = (
 
 def _dataset_writes(dataset: Any) -> List[_functions.Write]:
     """The writes of every function ``dataset`` runs, its own and its input
-    datasets' (cached per dataset: a dataset is immutable)."""
+    datasets', and those of the dataset argument it stands for, inside a
+    ``tf.function``'s graph (``_passed_writes``)."""
+    return _walk(dataset)[0]
+
+
+def _walk(dataset: Any) -> Tuple[List[_functions.Write], bool]:
+    """``_dataset_writes``, and whether they may be cached: a dataset is
+    immutable, but one built on a dataset argument inside a trace stands for
+    whatever dataset the call passes."""
     cached = _cache.get(dataset)
     if cached is not None:
-        return cached
+        return cached, True
+    if isinstance(dataset, dataset_ops._VariantDataset):
+        return _passed_writes(dataset._variant_tensor, dataset.element_spec, iterator=False), False
     writes: List[_functions.Write] = []
+    cacheable = True
     try:
         functions = dataset._functions()
         inputs = dataset._inputs()
@@ -57,12 +69,51 @@ def _dataset_writes(dataset: Any) -> List[_functions.Write]:
         writes += _functions.function_writes(function, handles)
     for parent in inputs:
         if isinstance(parent, dataset_ops.DatasetV2):
-            writes += _dataset_writes(parent)
-    try:
-        _cache[dataset] = writes
-    except TypeError:
-        pass  # not weakly referable: found again next time
-    return writes
+            found, fixed = _walk(parent)
+            writes += found
+            cacheable = cacheable and fixed
+    if cacheable:
+        try:
+            _cache[dataset] = writes
+        except TypeError:
+            pass  # not weakly referable: found again next time
+    return writes, cacheable
+
+
+def _iterator_writes(iterator: Any) -> List[_functions.Write]:
+    """The writes of the functions an ``OwnedIterator`` runs: its dataset's
+    (for an iterator argument inside a ``tf.function``'s graph, made from
+    its resource without its dataset, the iterator passed's), and, for a
+    per-device iterator of ``tf.distribute``, its source dataset's."""
+    dataset = getattr(iterator, "_dataset", None)
+    if dataset is not None:
+        writes = _dataset_writes(dataset)
+    else:
+        resource = getattr(iterator, "_iterator_resource", None)
+        writes = _passed_writes(resource, iterator.element_spec, iterator=True) if resource is not None else []
+    source = _sources.get(iterator)
+    return writes + _dataset_writes(source) if source is not None else writes
+
+
+def multi_device_iterator(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``OwnedMultiDeviceIterator.__init__`` (MirroredStrategy's distributed
+    datasets): each device's iterator runs a dataset of its own that takes
+    its elements from the source dataset's iterator, on the host, whose
+    functions run as a device's next element is asked for. Each device's
+    iterator is noted with the source dataset. Always on: the iterator may
+    be made before the tape opens."""
+    result = wrapped(*args, **kwargs)
+    dataset = kwargs.get("dataset", args[0] if args else None)
+    if isinstance(dataset, dataset_ops.DatasetV2):
+        for iterator in getattr(instance, "_device_iterators", ()):
+            try:
+                _sources[iterator] = dataset
+            except TypeError:
+                pass  # not weakly referable
+    return result
+
+
+_sources: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 _cache: "weakref.WeakKeyDictionary[Any, List[_functions.Write]]" = weakref.WeakKeyDictionary()
@@ -82,14 +133,23 @@ def _idle() -> bool:
 def _guarded(writes: List[_functions.Write], context: str, run: Callable[[], Any]) -> Any:
     """Runs ``run`` (which runs dataset functions making ``writes``) as the
     tapes around it allow: refused, or run and then cut."""
+    hidden = writes
     if not executing_eagerly():
         # A dataset made outside the graph being traced and captured: its
         # functions are not among the graph's, so a call of it from an
-        # eager tape would not find the writes in its graph.
-        _functions.note_hidden_writes(ops.get_default_graph(), writes)
+        # eager tape would not find the writes in its graph. (Not a dataset
+        # argument's: the next call may pass another; ``function_call``
+        # finds those at each call.)
+        passed = {id(w) for entry in getattr(_calls, "stack", ()) for _, _, found in entry for w in found}
+        hidden = [w for w in writes if id(w) not in passed]
+        _functions.note_hidden_writes(ops.get_default_graph(), hidden)
         if not _versions._all_scopes and not _leases.closed_refs:
             return run()
     found = _versions.call_context()
+    if not hidden and (found is None or found[0].key is None):
+        # Only a dataset argument's writes (in a trace): refused here if a
+        # tape is open in this graph; for a tape outside it, at each call.
+        return run()
     if found is None:
         _functions.outside_writes(writes, context)
         return run()
@@ -99,6 +159,103 @@ def _guarded(writes: List[_functions.Write], context: str, run: Callable[[], Any
     result = run()
     _functions.cut_writes(scope, variables, context)
     return result
+
+
+# Per thread, for each ``tf.function`` call running (its trace included), the
+# datasets and iterators among its arguments whose functions write: whether
+# each is an iterator, its element spec, and the writes.
+_calls = threading.local()
+Passed = Tuple[bool, Any, List[_functions.Write]]
+
+
+def _passed_writes(component: Any, spec: Any, iterator: bool) -> List[_functions.Write]:
+    """Inside the trace of a ``tf.function`` call, the writes of the dataset
+    (or iterator) argument whose placeholder ``component`` is. The trace
+    does not say which argument a placeholder stands for: any argument of
+    the same kind and element spec may be it, so the writes of all such."""
+    if executing_eagerly() or getattr(getattr(component, "op", None), "type", None) != "Placeholder":
+        return []
+    stack = getattr(_calls, "stack", None)
+    if not stack:
+        return []
+    return [w for kind, passed_spec, writes in stack[-1] if kind == iterator and passed_spec == spec for w in writes]
+
+
+def _arguments_writes(arguments: Any, depth: int = 0) -> List[Passed]:
+    """The datasets and iterators among a call's arguments (nested in
+    lists, tuples, dicts, and in composite tensors: ``tf.distribute``'s
+    distributed datasets and iterators hold them), each whose functions
+    write, with those writes."""
+    found: List[Passed] = []
+    try:
+        leaves = nest.flatten(arguments)
+    except (TypeError, ValueError):
+        return found  # TensorFlow's own binding of the call raises
+    for leaf in leaves:
+        if isinstance(leaf, dataset_ops.DatasetV2):
+            writes, iterator = _dataset_writes(leaf), False
+        elif isinstance(leaf, iterator_ops.OwnedIterator):
+            writes, iterator = _iterator_writes(leaf), True
+        else:
+            if isinstance(leaf, composite_tensor.CompositeTensor) and depth < _DEPTH:
+                found += _composite_writes(leaf, depth)
+            continue
+        if writes:
+            found.append((iterator, leaf.element_spec, writes))
+    return found
+
+
+def _composite_writes(leaf: Any, depth: int) -> List[Passed]:
+    """``_arguments_writes`` of a composite tensor's components: only of
+    tf.data's and tf.distribute's own (a ragged or sparse tensor holds no
+    dataset, and building its type spec at each call would cost), cached
+    per object (what it holds does not change)."""
+    if not type(leaf).__module__.startswith(_HOLDERS):
+        return []
+    cached = _composites.get(leaf)
+    if cached is not None:
+        return cached
+    try:
+        components = leaf._type_spec._to_components(leaf)
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        return []
+    found = _arguments_writes(components, depth + 1)
+    if executing_eagerly():  # (a graph's placeholders stand for any argument)
+        try:
+            _composites[leaf] = found
+        except TypeError:
+            pass  # not weakly referable
+    return found
+
+
+_HOLDERS = ("tensorflow.python.distribute.", "tensorflow.python.data.")
+_composites: "weakref.WeakKeyDictionary[Any, List[Passed]]" = weakref.WeakKeyDictionary()
+
+# How deep composite arguments are searched for datasets (a distributed
+# iterator: its workers' iterators, their multi-device iterator, its devices').
+_DEPTH = 4
+
+
+def function_call(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``Function._call`` and ``ConcreteFunction.__call__``: a
+    ``tf.function`` called with its Python arguments. A dataset or iterator passed runs its functions inside the
+    function's graph, where they are not among the graph's own (the graph
+    sees a placeholder): their writes are the function's writes, refused or
+    cut at the call as those of a function that writes, and, in the trace,
+    where an iterator or reduce runs them (``_passed_writes``). Always on:
+    the tape may open inside the function."""
+    found = _arguments_writes((args, kwargs))
+    stack = _calls.__dict__.setdefault("stack", [])
+    stack.append(found)
+    try:
+        if not found or _idle():
+            return wrapped(*args, **kwargs)
+        writes = [w for _, _, passed in found for w in passed]
+        name = getattr(instance, "_name", None) or getattr(instance.graph, "name", "function")
+        context = _context(writes, f"tf.function {name!r}, which was given the dataset or iterator as an argument")
+        return _guarded(writes, context, lambda: wrapped(*args, **kwargs))
+    finally:
+        stack.pop()
 
 
 def _context(writes: List[_functions.Write], where: str) -> str:
@@ -112,23 +269,36 @@ def next_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
     element's functions run now (or ran ahead, prefetched)."""
     if _idle():
         return wrapped(*args, **kwargs)
-    dataset = getattr(instance, "_dataset", None)
-    writes = _dataset_writes(dataset) if dataset is not None else []
+    writes = _iterator_writes(instance)
     if not writes:
         return wrapped(*args, **kwargs)
     context = _context(writes, "an iterator's next element")
     return _guarded(writes, context, lambda: wrapped(*args, **kwargs))
 
 
-def single_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``Dataset.get_single_element``: the dataset's functions run now."""
-    if _idle():
-        return wrapped(*args, **kwargs)
-    writes = _dataset_writes(instance)
-    if not writes:
-        return wrapped(*args, **kwargs)
-    context = _context(writes, "Dataset.get_single_element")
-    return _guarded(writes, context, lambda: wrapped(*args, **kwargs))
+Hook = Callable[[Callable[..., Any], Any, Any, Any], Any]
+
+
+def _runs_dataset(where: str) -> Hook:
+    """The hook of a ``Dataset`` method that runs the dataset's functions now
+    (all its elements, or its one): ``where`` names it in refusals."""
+
+    def hook(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+        if _idle():
+            return wrapped(*args, **kwargs)
+        writes = _dataset_writes(instance)
+        if not writes:
+            return wrapped(*args, **kwargs)
+        return _guarded(writes, _context(writes, where), lambda: wrapped(*args, **kwargs))
+
+    hook.__name__ = hook.__qualname__ = f"runs_{where.rsplit('.', 1)[-1]}"
+    hook.__doc__ = f"``{where}``: the dataset's functions run now."
+    return hook
+
+
+single_element = _runs_dataset("Dataset.get_single_element")
+# (Its shard_func, traced inside, is not scanned: see the known limits.)
+save_dataset = _runs_dataset("Dataset.save")
 
 
 def reduce_dataset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:

@@ -50,6 +50,7 @@ from assigntape import (
 )
 from assigntape._tf import (
     ConcreteFunction,
+    Function,
     UnliftedInitializerVariable,
     array_ops,
     cond_v2,
@@ -66,6 +67,7 @@ from assigntape._tf import (
     gradients_util,
     iterator_ops,
     mirrored_run,
+    multi_device_iterator_ops,
     ops,
     parallel_for,
     pywrap_tfe,
@@ -247,7 +249,13 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (iterator_ops.OwnedIterator, "get_next_as_optional", _datasets.next_element),
         (dataset_ops.DatasetV2, "reduce", _datasets.reduce_dataset),
         (dataset_ops.DatasetV2, "get_single_element", _datasets.single_element),
+        (dataset_ops.DatasetV2, "save", _datasets.save_dataset),
+        # tf.distribute's per-device iterators, fed by their source dataset (_datasets).
+        (multi_device_iterator_ops.OwnedMultiDeviceIterator, "__init__", _datasets.multi_device_iterator),
         (gen_dataset_ops, "reduce_dataset", _datasets.reduce_op),
+        # A tf.function given datasets or iterators as arguments (_datasets).
+        (Function, "_call", _datasets.function_call),
+        (ConcreteFunction, "__call__", _datasets.function_call),
         # Reads of variables written through handles no tape could name (_versions).
         (eager_tape, "variable_accessed", _versions.accessed),
         # An op that failed in C++ (every generated op wrapper raises through
@@ -331,9 +339,12 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
 # traced before the first tape around a dataset that writes (_datasets).
 _ALWAYS_ON = (
     _saving.trace_gradient_functions,
+    _datasets.function_call,
     _datasets.next_element,
     _datasets.reduce_dataset,
     _datasets.reduce_op,
+    _datasets.save_dataset,
+    _datasets.multi_device_iterator,
     _datasets.single_element,
     _control_flow.branch_gradient,
     _control_flow.loop_gradient,

@@ -32,7 +32,7 @@ try:
     from tensorflow.python.autograph.core import config, config_lib
 
     # tf.data: where a dataset's functions run (iterators, reduce, single elements).
-    from tensorflow.python.data.ops import dataset_ops, iterator_ops
+    from tensorflow.python.data.ops import dataset_ops, iterator_ops, multi_device_iterator_ops
 
     # Strategies' update(), and the container a distributed component belongs to.
     # MirroredStrategy's replica threads (a merge_call's own call_for_each_replica).
@@ -51,7 +51,11 @@ try:
     from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
 
     # The variables a tf.function makes on its first trace (their initialization).
-    from tensorflow.python.eager.polymorphic_function.polymorphic_function import UnliftedInitializerVariable
+    # A tf.function's call with its Python arguments (datasets and iterators among them).
+    from tensorflow.python.eager.polymorphic_function.polymorphic_function import (
+        Function,
+        UnliftedInitializerVariable,
+    )
 
     # Graph building: ops, dtypes, tensors, automatic control dependencies.
     from tensorflow.python.framework import (
@@ -194,6 +198,10 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (BaseResourceVariable, "_dense_var_to_tensor", "what that conversion calls, ending in value()"),
     (dataset_ops.DatasetV2, "_inputs", "the datasets whose functions an iterator runs"),
     (dataset_ops.DatasetV2, "_functions", "the functions a dataset runs, which may write variables"),
+    (dataset_ops, "_VariantDataset", "a dataset argument inside a tf.function's graph"),
+    (multi_device_iterator_ops.OwnedMultiDeviceIterator, "__init__", "tf.distribute's per-device iterators"),
+    (Function, "_call", "a tf.function call, with the datasets among its arguments"),
+    (ConcreteFunction, "__call__", "a concrete function's call, with the datasets among its arguments"),
     (iterator_ops.OwnedIterator, "_next_internal", "a dataset's functions run at each element"),
     (script_ops, "_internal_py_func", "py_function bodies run when a tape's graph runs"),
     (saved_model_save, "_trace_gradient_functions", "refusing to save the gradients of a tape's writes"),
@@ -266,6 +274,7 @@ __all__ = [
     "V1_OPTIMIZER_UPDATE",
     "BaseResourceVariable",
     "ConcreteFunction",
+    "Function",
     "ControlFlowFuncGraph",
     "ShardedVariable",
     "UnliftedInitializerVariable",
@@ -284,6 +293,7 @@ __all__ = [
     "dataset_ops",
     "gen_dataset_ops",
     "iterator_ops",
+    "multi_device_iterator_ops",
     "default_gradient",
     "distribute_lib",
     "distribute_utils",

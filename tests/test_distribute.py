@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import tensorflow as tf
-from helpers import free_ports
+from helpers import free_ports, helper_output
 from helpers.mirrored_meta_step import TASKS, W0
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -58,17 +58,7 @@ def _aggregated_step(aggregation):
 
 def _helper_output(module):
     """Runs ``tests/helpers/<module>`` in a fresh process; its last JSON line."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    done = subprocess.run(
-        [sys.executable, "-m", f"helpers.{module}"],
-        cwd=ROOT / "tests",
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return helper_output(module)
 
 
 def _assert_replica_grads(grads, expected, label):

@@ -12,22 +12,16 @@ in replica context, and in ``versions``, ``watched_variables``, ``restoring``,
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 from typing import Any, Callable, Dict, List
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import helper_output
 from helpers.wrapped_variables_two_devices import EXPECTED, W0, X0, program
 from tensorflow.python.ops import resource_variable_ops
 
 from assigntape import AssignAwareTape, NotAVariableError
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _keras(value: float) -> Any:
@@ -143,17 +137,7 @@ def test_restoring_writes_a_wrapper_back(name):
 
 
 def test_aggregating_variables_on_two_devices():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    done = subprocess.run(
-        [sys.executable, "-m", "helpers.wrapped_variables_two_devices"],
-        cwd=ROOT / "tests",
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = helper_output("wrapped_variables_two_devices")
     assert results["type"] == "AggregatingVariable"
     assert set(results["cases"]) == {"cross-replica-eager", "cross-replica-function"}
     for case, got in results["cases"].items():

@@ -3,8 +3,15 @@ must be set up before TensorFlow starts), and what they share."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
-from typing import List
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, List
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_ports(n: int) -> List[int]:
@@ -17,3 +24,19 @@ def free_ports(n: int) -> List[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+def helper_output(module: str) -> Any:
+    """Runs ``tests/helpers/<module>`` in a fresh process, with this
+    checkout's ``assigntape``; its last line, as JSON."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    done = subprocess.run(
+        [sys.executable, "-m", f"helpers.{module}"],
+        cwd=ROOT / "tests",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
