@@ -68,6 +68,13 @@ def generate(
         kinds_of_statement += ["fn_write"]
     for _ in range(draw(st.integers(1, max_steps))):
         what = draw(st.sampled_from(kinds_of_statement))
+        if what == "partial":
+            i = draw(st.integers(0, n_vars - 1))
+            # A scalar has no part to write (nor a complex variable an ordered
+            # kind): a read in its place keeps every program's steps >= 1.
+            allowed = [k for k in partial if shapes[i] and not (complex_[i] and k in ORDERED)]
+            if not allowed:
+                what = "read"
         if what == "event":
             # A paused tape can only be resumed; with a plain inner tape open the
             # AssignAwareTape stays open (alone, a plain tape follows no writes).
@@ -82,12 +89,6 @@ def generate(
             paused = event == "pause"
             statements.append(("event", event, flag))
         elif what == "partial":
-            i = draw(st.integers(0, n_vars - 1))
-            if not shapes[i]:
-                continue  # a scalar has no part to write
-            allowed = [k for k in partial if not (complex_[i] and k in ORDERED)]
-            if not allowed:
-                continue
             kind = draw(st.sampled_from(allowed))
             n = shapes[i][0]
             if kind == "slice":
