@@ -342,6 +342,11 @@ def _switch(on: bool) -> None:
     """Puts the ``switches`` in place (``on``) or takes them off. Called under ``_all_lock``."""
     global _switched
     if _serving:
+        if not on:
+            # First: interrupted part way (a KeyboardInterrupt), some stay on,
+            # dormant and harmless, and the next tape puts them all on
+            # (``put`` is idempotent); never the flag on with some off.
+            _switched = False
         for put in switches:
             put(on)
         _switched = on

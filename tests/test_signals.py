@@ -101,3 +101,82 @@ def test_handlers_are_seen_as_set_and_put_back_by_uninstall():
         v.assign(v * 3.0)
         y = v * v
     assert float(tape.gradient(y, v)) == 36.0  # y = 9 v0^2: 18 v0
+
+
+# An interrupt landing while the dormant patches come off (the first write
+# outside every tape after an idle pause) must not leave the library taking
+# some of them for on: every later tape would miss the writes they follow.
+_SWITCH_OFF = """
+    import sys, time
+    import numpy as np
+    import tensorflow as tf
+    from assigntape import AssignAwareTape
+
+    V0, X0, E = np.array([1.5, -0.5, 2.0]), 0.7, 1.25
+
+    def program(v, x):
+        v.assign(v * x * E)
+        v.scatter_nd_add([[1]], tf.reshape(x, [1]))
+        tf.raw_ops.ResourceApplyGradientDescent(var=v.handle, alpha=tf.constant(0.5, tf.float64), delta=v * x)
+        return tf.reduce_sum(v * v) * x
+
+    @tf.function
+    def compiled(v, x):
+        with AssignAwareTape() as tape:
+            y = program(v, x)
+        return tape.gradient(y, x)
+
+    def eager(v, x):
+        with AssignAwareTape() as tape:
+            y = program(v, x)
+        return tape.gradient(y, x)
+
+    # The rewrite, on tensors under a plain tape.
+    xx = tf.constant(X0, tf.float64)
+    with tf.GradientTape() as t:
+        t.watch(xx)
+        w = V0 * xx * E
+        w = tf.tensor_scatter_nd_add(w, [[1]], tf.reshape(xx, [1]))
+        w = w - 0.5 * w * xx
+        yr = tf.reduce_sum(w * w) * xx
+    expected = float(t.gradient(yr, xx))
+
+    at = int(sys.argv[1])
+    v0 = tf.Variable(V0)
+    eager(v0, tf.Variable(X0, dtype=tf.float64))
+    time.sleep(0.2)  # idle: the next write outside every tape takes the patches off
+    calls = [0]
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "put" and frame.f_back is not None \\
+                and frame.f_back.f_code.co_name == "_switch":
+            calls[0] += 1
+            if calls[0] == at:
+                raise KeyboardInterrupt
+        return None
+
+    sys.settrace(tracer)
+    try:
+        v0.assign(V0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    got = [float(eager(tf.Variable(V0), tf.Variable(X0, dtype=tf.float64))),
+           float(compiled(tf.Variable(V0), tf.Variable(X0, dtype=tf.float64)))]
+    print("CALLS", calls[0], "GOT", *got, "EXPECTED", expected, flush=True)
+"""
+
+
+def test_an_interrupt_while_the_patches_come_off_leaves_later_tapes_right():
+    for at in (1, 2, 10, 20):
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(_SWITCH_OFF), str(at)], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, f"the process died ({done.returncode}):\n{done.stderr[-3000:]}"
+        words = done.stdout.split()
+        calls = int(words[words.index("CALLS") + 1])
+        got = [float(words[words.index("GOT") + 1]), float(words[words.index("GOT") + 2])]
+        expected = float(words[words.index("EXPECTED") + 1])
+        assert calls >= at, done.stdout  # the interrupt landed in the switch-off
+        assert all(abs(g - expected) < 1e-9 * abs(expected) for g in got), (at, done.stdout)
