@@ -18,8 +18,8 @@ import threading
 import weakref
 from typing import Any, Callable, List, Tuple
 
-from assigntape import _functions, _leases, _versions
-from assigntape._tf import composite_tensor, dataset_ops, executing_eagerly, iterator_ops, nest, ops
+from assigntape import _dataset_graphs, _functions, _leases, _versions
+from assigntape._tf import composite_tensor, dataset_ops, dtypes, executing_eagerly, iterator_ops, nest, ops
 
 __all__ = ["function_call", "multi_device_iterator", "next_element", "reduce_dataset", "save_dataset", "single_element"]
 
@@ -50,7 +50,10 @@ def _walk(dataset: Any) -> Tuple[List[_functions.Write], bool]:
     if cached is not None:
         return cached, True
     if isinstance(dataset, dataset_ops._VariantDataset):
-        return _passed_writes(dataset._variant_tensor, dataset.element_spec, iterator=False), False
+        # A dataset argument inside a trace, or one rebuilt from a variant.
+        variant = dataset._variant_tensor
+        passed = _passed_writes(variant, dataset.element_spec, iterator=False)
+        return passed + _dataset_graphs.unlisted_writes(variant), False
     writes: List[_functions.Write] = []
     cacheable = True
     try:
@@ -130,9 +133,10 @@ def _idle() -> bool:
     return not _versions._all_scopes and not _leases.closed_refs and executing_eagerly()
 
 
-def _guarded(writes: List[_functions.Write], context: str, run: Callable[[], Any]) -> Any:
-    """Runs ``run`` (which runs dataset functions making ``writes``) as the
-    tapes around it allow: refused, or run and then cut."""
+def _guarded(writes: List[_functions.Write], where: str, run: Callable[[], Any]) -> Any:
+    """Runs ``run`` (which runs dataset functions making ``writes``, for
+    ``where``) as the tapes around it allow: refused, or run and then cut."""
+    context = _context(writes, where)
     hidden = writes
     if not executing_eagerly():
         # A dataset made outside the graph being traced and captured: its
@@ -154,6 +158,7 @@ def _guarded(writes: List[_functions.Write], context: str, run: Callable[[], Any
         _functions.outside_writes(writes, context)
         return run()
     scope, _ = found
+    _dataset_graphs.refuse_unlisted(scope.key is not None, [w for w in writes if w[0] is None], where)
     variables = _functions.variables_written(scope, writes)
     _functions.refuse_writes(scope, variables, context, _EAGER_FIXES, _GRAPH_FIXES)
     result = run()
@@ -178,7 +183,9 @@ def _passed_writes(component: Any, spec: Any, iterator: bool) -> List[_functions
     stack = getattr(_calls, "stack", None)
     if not stack:
         return []
-    return [w for kind, passed_spec, writes in stack[-1] if kind == iterator and passed_spec == spec for w in writes]
+    # (A raw variant argument's spec is unknown (None): it may be any.)
+    found = stack[-1]
+    return [w for kind, passed, writes in found if kind == iterator and passed in (spec, None) for w in writes]
 
 
 def _arguments_writes(arguments: Any, depth: int = 0) -> List[Passed]:
@@ -196,6 +203,12 @@ def _arguments_writes(arguments: Any, depth: int = 0) -> List[Passed]:
             writes, iterator = _dataset_writes(leaf), False
         elif isinstance(leaf, iterator_ops.OwnedIterator):
             writes, iterator = _iterator_writes(leaf), True
+        elif isinstance(leaf, ops.EagerTensor) and leaf.dtype == dtypes.variant:
+            # A dataset's raw variant, rebuilt inside with from_variant.
+            writes = _dataset_graphs.unlisted_writes(leaf)
+            if writes:
+                found.append((False, None, writes))
+            continue
         else:
             if isinstance(leaf, composite_tensor.CompositeTensor) and depth < _DEPTH:
                 found += _composite_writes(leaf, depth)
@@ -252,16 +265,13 @@ def function_call(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
             return wrapped(*args, **kwargs)
         writes = [w for _, _, passed in found for w in passed]
         name = getattr(instance, "_name", None) or getattr(instance.graph, "name", "function")
-        context = _context(writes, f"tf.function {name!r}, which was given the dataset or iterator as an argument")
-        return _guarded(writes, context, lambda: wrapped(*args, **kwargs))
+        where = f"tf.function {name!r}, which was given the dataset or iterator as an argument"
+        return _guarded(writes, where, lambda: wrapped(*args, **kwargs))
     finally:
         stack.pop()
 
 
-def _context(writes: List[_functions.Write], where: str) -> str:
-    """Names the dataset functions that write, and what runs them."""
-    names = ", ".join(sorted({repr(str(f.graph.name)) for _, _, f in writes}))
-    return f"tf.data function {names} (run by {where})"
+_context = _dataset_graphs.context
 
 
 def next_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -272,8 +282,7 @@ def next_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
     writes = _iterator_writes(instance)
     if not writes:
         return wrapped(*args, **kwargs)
-    context = _context(writes, "an iterator's next element")
-    return _guarded(writes, context, lambda: wrapped(*args, **kwargs))
+    return _guarded(writes, "an iterator's next element", lambda: wrapped(*args, **kwargs))
 
 
 Hook = Callable[[Callable[..., Any], Any, Any, Any], Any]
@@ -289,7 +298,7 @@ def _runs_dataset(where: str) -> Hook:
         writes = _dataset_writes(instance)
         if not writes:
             return wrapped(*args, **kwargs)
-        return _guarded(writes, _context(writes, where), lambda: wrapped(*args, **kwargs))
+        return _guarded(writes, where, lambda: wrapped(*args, **kwargs))
 
     hook.__name__ = hook.__qualname__ = f"runs_{where.rsplit('.', 1)[-1]}"
     hook.__doc__ = f"``{where}``: the dataset's functions run now."
@@ -297,7 +306,7 @@ def _runs_dataset(where: str) -> Hook:
 
 
 single_element = _runs_dataset("Dataset.get_single_element")
-# (Its shard_func, traced inside, is not scanned: see the known limits.)
+# (Its shard_func, traced inside, is found at the op: ``save_op``.)
 save_dataset = _runs_dataset("Dataset.save")
 
 
@@ -308,33 +317,42 @@ def reduce_dataset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs
     reduce function), so its writes are found at the op that runs it."""
     if _idle():
         return wrapped(*args, **kwargs)
-    writes = _dataset_writes(instance)
-    context = _context(writes, "Dataset.reduce") if writes else ""
     token = _pending.__dict__.setdefault("stack", [])
-    token.append((writes, context))
+    token.append(_dataset_writes(instance))
     try:
         return wrapped(*args, **kwargs)
     finally:
         token.pop()
 
 
-def reduce_op(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``gen_dataset_ops.reduce_dataset``: the reduce function's own writes,
-    with its input dataset's (noted by ``reduce_dataset``)."""
-    if _idle():
-        return wrapped(*args, **kwargs)
-    stack = getattr(_pending, "stack", None)
-    writes, context = stack[-1] if stack else ([], "")
-    function = kwargs.get("f")
-    handles = kwargs.get("other_arguments", args[2] if len(args) > 2 else None)
-    own: List[_functions.Write] = []
-    if function is not None and getattr(function, "graph", None) is not None and handles is not None:
-        captured = list(handles)
-        graph = function.graph
-        own = _functions.function_writes(function, [None] * (len(graph.inputs) - len(captured)) + captured)
-    if own:
-        context = _context(own, "Dataset.reduce")
-    writes = writes + own
-    if not writes:
-        return wrapped(*args, **kwargs)
-    return _guarded(writes, context, lambda: wrapped(*args, **kwargs))
+def _op_function(function_arg: str, handles_arg: str, position: int, where: str, pending: bool) -> Hook:
+    """The hook of a dataset op that runs one function, traced just before
+    by the Python method that builds the op (``reduce``'s reduce function,
+    ``save``'s shard_func): its writes, from its graph given the op's list
+    ``handles_arg`` (argument ``position``) as its last inputs, and, if
+    ``pending``, the input dataset's (noted by ``reduce_dataset``)."""
+
+    def hook(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+        if _idle():
+            return wrapped(*args, **kwargs)
+        stack = getattr(_pending, "stack", None)
+        writes = list(stack[-1]) if pending and stack else []
+        function = kwargs.get(function_arg)
+        handles = kwargs.get(handles_arg, args[position] if len(args) > position else None)
+        if function is not None and getattr(function, "graph", None) is not None and handles is not None:
+            captured = list(handles)
+            graph = function.graph
+            writes += _functions.function_writes(function, [None] * (len(graph.inputs) - len(captured)) + captured)
+        if not writes:
+            return wrapped(*args, **kwargs)
+        return _guarded(writes, where, lambda: wrapped(*args, **kwargs))
+
+    hook.__name__ = hook.__qualname__ = f"{function_arg}_op"
+    hook.__doc__ = f"The op of ``{where}``: its function's writes."
+    return hook
+
+
+# ``gen_dataset_ops.reduce_dataset``: the reduce function, after its input's.
+reduce_op = _op_function("f", "other_arguments", 2, "Dataset.reduce", pending=True)
+# ``gen_experimental_dataset_ops.save_dataset``: ``Dataset.save``'s shard_func.
+save_op = _op_function("shard_func", "shard_func_other_args", 2, "Dataset.save's shard_func", pending=False)

@@ -61,6 +61,7 @@ from assigntape._tf import (
     forwardprop,
     gen_array_ops,
     gen_dataset_ops,
+    gen_experimental_dataset_ops,
     gen_resource_variable_ops,
     gen_state_ops,
     gen_training_ops,
@@ -253,6 +254,7 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # tf.distribute's per-device iterators, fed by their source dataset (_datasets).
         (multi_device_iterator_ops.OwnedMultiDeviceIterator, "__init__", _datasets.multi_device_iterator),
         (gen_dataset_ops, "reduce_dataset", _datasets.reduce_op),
+        (gen_experimental_dataset_ops, "save_dataset", _datasets.save_op),
         # A tf.function given datasets or iterators as arguments (_datasets).
         (Function, "_call", _datasets.function_call),
         (ConcreteFunction, "__call__", _datasets.function_call),
@@ -336,7 +338,8 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
 # done, yet its gradient may go through a cond's or loop's, which must know
 # whether a tape recorded an earlier one (_control_flow.branch_gradient); and
 # a module is saved after every tape is gone (_saving); and a function may be
-# traced before the first tape around a dataset that writes (_datasets).
+# traced before the first tape around a dataset that writes (_datasets), and
+# a py_function traced then may write when a tape is open (_py_functions).
 _ALWAYS_ON = (
     _saving.trace_gradient_functions,
     _datasets.function_call,
@@ -344,6 +347,8 @@ _ALWAYS_ON = (
     _datasets.reduce_dataset,
     _datasets.reduce_op,
     _datasets.save_dataset,
+    _datasets.save_op,
+    _py_functions.py_function,
     _datasets.multi_device_iterator,
     _datasets.single_element,
     _control_flow.branch_gradient,
