@@ -356,3 +356,94 @@ def _op_function(function_arg: str, handles_arg: str, position: int, where: str,
 reduce_op = _op_function("f", "other_arguments", 2, "Dataset.reduce", pending=True)
 # ``gen_experimental_dataset_ops.save_dataset``: ``Dataset.save``'s shard_func.
 save_op = _op_function("shard_func", "shard_func_other_args", 2, "Dataset.save's shard_func", pending=False)
+
+
+# -- datasets that run ahead ---------------------------------------------------
+# From an iterator's making on, tf.data may run a dataset's functions ahead of
+# the elements asked for, in its own threads (a prefetch, autotune's injected
+# one, a parallel map or interleave): a write there may land at any time while
+# the iterator lives, with no call here to refuse it at. So every tape open
+# meanwhile refuses its first read of a variable such an iterator writes
+# (``_versions.note_unseen_writer``): the tape has not read it yet, and must
+# not, since it could not tell which version it reads.
+
+# The live iterators whose datasets write and run ahead, each with the writes.
+_ahead: "weakref.WeakKeyDictionary[Any, List[_functions.Write]]" = weakref.WeakKeyDictionary()
+
+_AHEAD_FIXES = (
+    "Make the write in the tape's own code instead of the dataset's functions, delete the "
+    "iterator before the tape opens, or keep tf.data from running ahead: no prefetch and no "
+    "num_parallel_calls, and options.autotune.enabled = False with "
+    "options.experimental_optimization.inject_prefetch = False (dataset.with_options(options))."
+)
+
+
+def _runs_ahead(dataset: Any) -> bool:
+    """Whether tf.data may run ``dataset``'s functions ahead, in the
+    background: autotune (on unless the options, the whole pipeline's, turn
+    it off) injects a prefetch; or a prefetch or parallel transformation in
+    it or its inputs."""
+    try:
+        options = dataset.options()
+        if options.autotune.enabled is not False and options.experimental_optimization.inject_prefetch is not False:
+            return True
+    except (AttributeError, NotImplementedError):
+        pass
+    return _ahead_stage(dataset)
+
+
+def _ahead_stage(dataset: Any) -> bool:
+    name = type(dataset).__name__
+    if "Prefetch" in name or "Parallel" in name:
+        return True
+    try:
+        inputs = dataset._inputs()
+    except (AttributeError, NotImplementedError):
+        return False
+    return any(_ahead_stage(d) for d in inputs if isinstance(d, dataset_ops.DatasetV2))
+
+
+def made_iterator(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``OwnedIterator.__init__``: made while a tape is open here, an iterator
+    whose dataset writes and runs ahead is refused (its functions would start
+    at once, unseen); made eagerly, it is noted for every tape open while it
+    lives (``note_ahead``). Always on: the iterator is often made before the
+    tape (a training loop's)."""
+    dataset = kwargs.get("dataset", args[0] if args else None)
+    if not isinstance(dataset, dataset_ops.DatasetV2):
+        return wrapped(*args, **kwargs)
+    writes = [w for w in _dataset_writes(dataset) if w[0] is not None]
+    if not writes or not _runs_ahead(dataset):
+        return wrapped(*args, **kwargs)
+    if not _idle():
+        where = "the making of an iterator, from which tf.data runs them ahead, in the background"
+        _guarded(writes, where, lambda: wrapped(*args, **kwargs))
+    else:
+        wrapped(*args, **kwargs)
+    if executing_eagerly():
+        try:
+            _ahead[instance] = writes
+        except TypeError:
+            return None  # not weakly referable
+        for scope in list(_versions._all_scopes):
+            note_ahead(scope)
+    return None
+
+
+def note_ahead(scope: Any) -> None:
+    """A tape open in ``scope`` (entered, or open when the iterator was
+    made): its first read of a variable a live iterator's dataset writes
+    ahead is refused."""
+    for iterator, writes in list(_ahead.items()):
+        for var, op_type in _functions.variables_written(scope, writes):
+            own = _versions.canonical_handle(var)
+            if id(own) in scope.unnamed:
+                continue
+            refusal = (
+                f"Variable {var.name!r} is written ({op_type}) by {_context(writes, 'an iterator made before')}, "
+                "which tf.data runs ahead of the elements asked for, in its own threads, while this "
+                "AssignAwareTape is open: the tape cannot see those writes, so a read here could "
+                "credit the version from before one, a silently wrong gradient. " + _AHEAD_FIXES
+            )
+            _versions.note_unseen_writer(scope, own, op_type, refusal)
+        del iterator

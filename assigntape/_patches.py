@@ -246,6 +246,7 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (parallel_for, "pfor", _functions.vectorized),
         # Where tf.data's runtime runs a dataset's functions for the caller
         # (_datasets); TensorFlow calls the reduce op through the module.
+        (iterator_ops.OwnedIterator, "__init__", _datasets.made_iterator),
         (iterator_ops.OwnedIterator, "_next_internal", _datasets.next_element),
         (iterator_ops.OwnedIterator, "get_next_as_optional", _datasets.next_element),
         (dataset_ops.DatasetV2, "reduce", _datasets.reduce_dataset),
@@ -348,6 +349,7 @@ _ALWAYS_ON = (
     _datasets.reduce_op,
     _datasets.save_dataset,
     _datasets.save_op,
+    _datasets.made_iterator,
     _py_functions.py_function,
     _datasets.multi_device_iterator,
     _datasets.single_element,

@@ -7,7 +7,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
 
-from assigntape import _control_flow, _diagnostics, _patches, _plain_tapes, _record, _versions
+from assigntape import _control_flow, _datasets, _diagnostics, _patches, _plain_tapes, _record, _versions
 from assigntape._errors import NotAVariableError
 from assigntape._tf import (
     UnconnectedGradients,
@@ -134,6 +134,8 @@ class AssignAwareTape(tf.GradientTape):
         _patches.acquire(record)
         self._end_lease()
         scope = self._scope = _versions.open_scope(record)
+        if _datasets._ahead:
+            _datasets.note_ahead(scope)  # iterators running a writing dataset ahead
         if not self._entered:
             self._entered = True
             self._snapshot_start(scope)
