@@ -50,9 +50,10 @@ def unlisted_writes(variant: Any) -> List[Tuple[Any, str, Any]]:
     if cached is not None and cached[0]() is variant:
         return cached[1]
     try:
-        serialized = gen_dataset_ops.dataset_to_graph_v2(
-            variant, external_state_policy=_IGNORE_EXTERNAL_STATE, strip_device_assignment=True
-        )
+        with ops.init_scope():  # (eagerly, also while a function is traced)
+            serialized = gen_dataset_ops.dataset_to_graph_v2(
+                variant, external_state_policy=_IGNORE_EXTERNAL_STATE, strip_device_assignment=True
+            )
         graph = graph_pb2.GraphDef()
         graph.ParseFromString(serialized.numpy())
     except (tf.errors.OpError, ValueError, TypeError):

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Set, Tuple
 
-from assigntape import _dataset_graphs, _functions, _leases, _versions
+import tensorflow as tf
+
+from assigntape import _dataset_graphs, _functions, _leases, _py_functions, _versions
 from assigntape._tf import composite_tensor, dataset_ops, dtypes, executing_eagerly, iterator_ops, nest, ops
 
 __all__ = ["function_call", "multi_device_iterator", "next_element", "reduce_dataset", "save_dataset", "single_element"]
@@ -274,15 +276,59 @@ def function_call(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
 _context = _dataset_graphs.context
 
 
+def _probe_bodies(dataset: Any) -> None:
+    """Pulled in a tape's graph (traced now): the py_function bodies of the
+    dataset's functions, traced where it was made, run for that graph from
+    now on, and no tape is open when it runs: probed at every run
+    (``_py_functions.probe_always``)."""
+    if dataset is None or executing_eagerly():
+        return
+    found = _versions.call_context()
+    if found is None or found[0].key is None:
+        return
+    for graph in _function_graphs(dataset, set()):
+        _py_functions.probe_always(graph)
+
+
+def _function_graphs(dataset: Any, seen: Set[int]) -> List[Any]:
+    """The graphs of the functions ``dataset`` and its inputs run, and of
+    the functions those call, each once."""
+    graphs: List[Any] = []
+    try:
+        functions, inputs = dataset._functions(), dataset._inputs()
+    except (AttributeError, NotImplementedError):
+        return graphs
+    pending = [getattr(getattr(w, "function", None), "graph", None) for w in functions]
+    while pending:
+        graph = pending.pop()
+        if graph is None or id(graph) in seen:
+            continue
+        seen.add(id(graph))
+        graphs.append(graph)
+        pending += [g for op in graph.get_operations() for g in _functions._called_graphs(op, graph)]
+    for parent in inputs:
+        if isinstance(parent, dataset_ops.DatasetV2):
+            graphs += _function_graphs(parent, seen)
+    return graphs
+
+
 def next_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``OwnedIterator._next_internal`` and ``get_next_as_optional``: the
     element's functions run now (or ran ahead, prefetched)."""
     if _idle():
         return wrapped(*args, **kwargs)
-    writes = _iterator_writes(instance)
-    if not writes:
-        return wrapped(*args, **kwargs)
-    return _guarded(writes, "an iterator's next element", lambda: wrapped(*args, **kwargs))
+    _probe_bodies(getattr(instance, "_dataset", None))
+    try:
+        writes = _iterator_writes(instance)
+        if not writes:
+            return wrapped(*args, **kwargs)
+        return _guarded(writes, "an iterator's next element", lambda: wrapped(*args, **kwargs))
+    except tf.errors.UnknownError as error:
+        # A py_function body (from_generator's generator) refused (_py_functions).
+        refusal = _py_functions.refusal_in(error)
+        if refusal is None:
+            raise
+        raise refusal from error
 
 
 Hook = Callable[[Callable[..., Any], Any, Any, Any], Any]
@@ -295,6 +341,7 @@ def _runs_dataset(where: str) -> Hook:
     def hook(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         if _idle():
             return wrapped(*args, **kwargs)
+        _probe_bodies(instance)
         writes = _dataset_writes(instance)
         if not writes:
             return wrapped(*args, **kwargs)
@@ -317,6 +364,7 @@ def reduce_dataset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs
     reduce function), so its writes are found at the op that runs it."""
     if _idle():
         return wrapped(*args, **kwargs)
+    _probe_bodies(instance)
     token = _pending.__dict__.setdefault("stack", [])
     token.append(_dataset_writes(instance))
     try:
@@ -410,8 +458,8 @@ def made_iterator(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     lives (``note_ahead``). Always on: the iterator is often made before the
     tape (a training loop's)."""
     dataset = kwargs.get("dataset", args[0] if args else None)
-    if not isinstance(dataset, dataset_ops.DatasetV2):
-        return wrapped(*args, **kwargs)
+    if not isinstance(dataset, dataset_ops.DatasetV2) or not executing_eagerly():
+        return wrapped(*args, **kwargs)  # (in a graph, its next element is refused)
     writes = [w for w in _dataset_writes(dataset) if w[0] is not None]
     if not writes or not _runs_ahead(dataset):
         return wrapped(*args, **kwargs)
@@ -420,13 +468,12 @@ def made_iterator(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
         _guarded(writes, where, lambda: wrapped(*args, **kwargs))
     else:
         wrapped(*args, **kwargs)
-    if executing_eagerly():
-        try:
-            _ahead[instance] = writes
-        except TypeError:
-            return None  # not weakly referable
-        for scope in list(_versions._all_scopes):
-            note_ahead(scope)
+    try:
+        _ahead[instance] = writes
+    except TypeError:
+        return None  # not weakly referable
+    for scope in list(_versions._all_scopes):
+        note_ahead(scope)
     return None
 
 

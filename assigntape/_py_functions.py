@@ -19,14 +19,15 @@ the first tape.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+import weakref
+from typing import Any, Callable, Optional
 
 from assigntape import _versions
 from assigntape._errors import UntrackedWriteError
-from assigntape._tf import executing_eagerly
+from assigntape._tf import executing_eagerly, nest
 from assigntape._wrapping import bind
 
-__all__ = ["py_function"]
+__all__ = ["py_function", "refusal_in"]
 
 _PARAMS = ("func", "inp", "Tout", "stateful", "use_eager_py_func", "is_grad_func", "name")
 
@@ -41,18 +42,52 @@ def py_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: A
     # probe every run. Traced for an eager tape's call, the function may run
     # later with no tape about: probe only while one is open.
     found = _versions.call_context()
-    arguments["func"] = _probed(arguments["func"], always=found is not None and found[0].key is not None)
-    return wrapped(**arguments)
+    always = _Always(found is not None and found[0].key is not None)
+    arguments["func"] = _probed(arguments["func"], always)
+    result = wrapped(**arguments)
+    try:
+        _always[nest.flatten(result)[0].op.get_attr("token")] = always
+    except (AttributeError, IndexError, TypeError, ValueError):
+        pass  # no op to name it by: probed while a tape is open only
+    return result
 
 
-def _probed(func: Callable[..., Any], always: bool) -> Callable[..., Any]:
+class _Always:
+    """Whether a body wrapped here is probed at every run (or only while a
+    tape is open), held by the body."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+
+# By their op's token, the bodies' ``_Always`` while they live. A dataset made
+# outside a tape's graph and pulled there holds bodies traced with no tape
+# about: from then on they run for that graph, where no tape is open when it
+# runs (``probe_always``).
+_always: "weakref.WeakValueDictionary[Any, _Always]" = weakref.WeakValueDictionary()
+
+
+def probe_always(graph: Any) -> None:
+    """The bodies of the py_functions in ``graph`` (a dataset's function's,
+    pulled in a tape's graph) are probed at every run from now on."""
+    for op in graph.get_operations():
+        if op.type in _PY_FUNC_OPS:
+            always = _always.get(op.get_attr("token"))
+            if always is not None:
+                always.on = True
+
+
+_PY_FUNC_OPS = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStateless"})
+
+
+def _probed(func: Callable[..., Any], always: _Always) -> Callable[..., Any]:
     name = getattr(func, "__name__", repr(func))
 
     @functools.wraps(func)
     def run(*args: Any) -> Any:
         from assigntape._tape import AssignAwareTape  # (the tape needs the patches, which need this)
 
-        if not always and not _versions.any_scopes():
+        if not always.on and not _versions.any_scopes():
             return func(*args)  # no tape of ours open now: plain TensorFlow
         try:
             with AssignAwareTape(persistent=True, watch_accessed_variables=False) as probe:
@@ -82,3 +117,18 @@ def _refusal(name: str, what: str) -> str:
         "tape's own code, outside the py_function and the dataset's functions, or run the step "
         "eagerly (tf.config.run_functions_eagerly(True)), where a py_function's writes are followed."
     )
+
+
+_MARK = UntrackedWriteError.__name__ + ": "
+
+
+def refusal_in(error: Exception) -> Optional[UntrackedWriteError]:
+    """The refusal a probed body raised, which TensorFlow's runtime reported
+    as its own error (an ``UnknownError`` carrying our message), if ``error``
+    is one: raised again as itself, the error the tape's rules promise."""
+    text = str(error)
+    start = text.find(_MARK)
+    if start < 0:
+        return None
+    refusal: UntrackedWriteError = UntrackedWriteError(text[start + len(_MARK) :].split("\n", 1)[0])
+    return refusal
