@@ -542,3 +542,12 @@ def test_a_dataset_that_runs_ahead_and_only_reads_works_in_a_tape(how: str, comp
     w_ref, grad_ref = _train_oracle(batches)
     np.testing.assert_allclose(w.numpy(), w_ref)
     np.testing.assert_allclose(np.asarray(grad), grad_ref)
+
+
+def test_tf_data_debug_mode_functions_that_write_are_refused() -> None:
+    """tests/helpers/debug_mode_datasets.py: in debug mode a dataset's
+    functions run as Python bodies, probed like a py_function's."""
+    out = helper_output("debug_mode_datasets")
+    got, expected = out.pop("quiet")
+    np.testing.assert_allclose(got, expected)
+    assert out == {"unread": "UntrackedWriteError", "read": "UntrackedWriteError"}
