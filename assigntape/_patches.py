@@ -38,6 +38,7 @@ from assigntape import (
     _distribute,
     _functions,
     _fused,
+    _graph_gradients,
     _jvp,
     _leases,
     _plain_tapes,
@@ -309,6 +310,8 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # Which gradient functions a cond, case, loop or function call in a
         # graph prepares; TensorFlow calls it through the module attribute.
         (gradients_util, "PossibleTapeGradientTypes", _control_flow.possible_gradient_types),
+        # tf.gradients after the tape that wrote a variable exited (_graph_gradients).
+        (gradients_util, "_GradientsHelper", _graph_gradients.gradients),
         # py_function bodies, which a tape's graph runs later (_py_functions).
         (script_ops, "_internal_py_func", _py_functions.py_function),
         # Saving a module whose functions hold a tape's writes (_saving).
@@ -350,6 +353,7 @@ _ALWAYS_ON = (
     _datasets.save_dataset,
     _datasets.save_op,
     _datasets.made_iterator,
+    _graph_gradients.gradients,
     _py_functions.py_function,
     _datasets.multi_device_iterator,
     _datasets.single_element,

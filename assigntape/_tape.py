@@ -7,7 +7,16 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
 
-from assigntape import _control_flow, _datasets, _diagnostics, _patches, _plain_tapes, _record, _versions
+from assigntape import (
+    _control_flow,
+    _datasets,
+    _diagnostics,
+    _graph_gradients,
+    _patches,
+    _plain_tapes,
+    _record,
+    _versions,
+)
 from assigntape._errors import NotAVariableError
 from assigntape._tf import (
     UnconnectedGradients,
@@ -227,6 +236,7 @@ class AssignAwareTape(tf.GradientTape):
             for own, closed_at_write in scope.dirty.values():
                 if record in closed_at_write:
                     record.written_while_closed[id(own)] = own
+            _graph_gradients.note_closed(scope, record)
             holders = _plain_tapes.note_closing()
             _versions.close_scope(scope, record, holders)
         else:
