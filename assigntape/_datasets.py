@@ -135,6 +135,14 @@ def _idle() -> bool:
     return not _versions._all_scopes and not _leases.closed_refs and executing_eagerly()
 
 
+def _run(writes: List[_functions.Write], where: str, wrapped: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """``wrapped(*args, **kwargs)``, which runs dataset functions making
+    ``writes`` (if any), for ``where``: ``_guarded``."""
+    if not writes:
+        return wrapped(*args, **kwargs)
+    return _guarded(writes, where, lambda: wrapped(*args, **kwargs))
+
+
 def _guarded(writes: List[_functions.Write], where: str, run: Callable[[], Any]) -> Any:
     """Runs ``run`` (which runs dataset functions making ``writes``, for
     ``where``) as the tapes around it allow: refused, or run and then cut."""
@@ -319,10 +327,7 @@ def next_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
         return wrapped(*args, **kwargs)
     _probe_bodies(getattr(instance, "_dataset", None))
     try:
-        writes = _iterator_writes(instance)
-        if not writes:
-            return wrapped(*args, **kwargs)
-        return _guarded(writes, "an iterator's next element", lambda: wrapped(*args, **kwargs))
+        return _run(_iterator_writes(instance), "an iterator's next element", wrapped, args, kwargs)
     except tf.errors.UnknownError as error:
         # A py_function body (from_generator's generator) refused (_py_functions).
         refusal = _py_functions.refusal_in(error)
@@ -343,9 +348,7 @@ def _runs_dataset(where: str) -> Hook:
             return wrapped(*args, **kwargs)
         _probe_bodies(instance)
         writes = _dataset_writes(instance)
-        if not writes:
-            return wrapped(*args, **kwargs)
-        return _guarded(writes, where, lambda: wrapped(*args, **kwargs))
+        return _run(writes, where, wrapped, args, kwargs)
 
     hook.__name__ = hook.__qualname__ = f"runs_{where.rsplit('.', 1)[-1]}"
     hook.__doc__ = f"``{where}``: the dataset's functions run now."
@@ -391,9 +394,7 @@ def _op_function(function_arg: str, handles_arg: str, position: int, where: str,
             captured = list(handles)
             graph = function.graph
             writes += _functions.function_writes(function, [None] * (len(graph.inputs) - len(captured)) + captured)
-        if not writes:
-            return wrapped(*args, **kwargs)
-        return _guarded(writes, where, lambda: wrapped(*args, **kwargs))
+        return _run(writes, where, wrapped, args, kwargs)
 
     hook.__name__ = hook.__qualname__ = f"{function_arg}_op"
     hook.__doc__ = f"The op of ``{where}``: its function's writes."

@@ -197,18 +197,29 @@ def test_a_keras_style_step_given_an_iterator_that_writes_nothing_runs(compiled:
     w = tf.Variable(V0, dtype=tf.float64, name="w")
     iterator = iter(tf.data.Dataset.from_tensor_slices(batches).map(lambda b: b * 1.0))
 
-    def step(it: Any) -> Any:
-        b = next(it)
+    step = _sgd_step(w, compiled, pull=next)
+    grad = None
+    for _ in batches:
+        grad = step(iterator)
+    _check_trained(w, grad, batches)
+
+
+def _sgd_step(w: tf.Variable, compiled: bool, pull: Callable[[Any], Any] = tf.identity) -> Callable[[Any], Any]:
+    """One SGD step on loss = sum((w * b - 1)^2), its gradient from the tape,
+    on the batch ``pull`` takes from the step's argument."""
+
+    def step(argument: Any) -> Any:
+        b = pull(argument)
         with AssignAwareTape() as tape:
             loss = tf.reduce_sum((w * b - 1.0) ** 2)
         grad = tape.gradient(loss, w)
         w.assign_sub(0.1 * grad)
         return grad
 
-    run = tf.function(step) if compiled else step
-    grad = None
-    for _ in batches:
-        grad = run(iterator)
+    return tf.function(step) if compiled else step
+
+
+def _check_trained(w: tf.Variable, grad: Any, batches: np.ndarray) -> None:
     w_ref, grad_ref = _train_oracle(batches)
     np.testing.assert_allclose(w.numpy(), w_ref)
     np.testing.assert_allclose(np.asarray(grad), grad_ref)
@@ -528,20 +539,11 @@ def test_a_dataset_that_runs_ahead_and_only_reads_works_in_a_tape(how: str, comp
         "parallel_map": lambda: base.map(scale, num_parallel_calls=2, deterministic=True).prefetch(2),
     }[how]()
 
-    def step(b: Any) -> Any:
-        with AssignAwareTape() as tape:
-            loss = tf.reduce_sum((w * b - 1.0) ** 2)
-        grad = tape.gradient(loss, w)
-        w.assign_sub(0.1 * grad)
-        return grad
-
-    run = tf.function(step) if compiled else step
+    step = _sgd_step(w, compiled)
     grad = None
     for b in ds:
-        grad = run(b)
-    w_ref, grad_ref = _train_oracle(batches)
-    np.testing.assert_allclose(w.numpy(), w_ref)
-    np.testing.assert_allclose(np.asarray(grad), grad_ref)
+        grad = step(b)
+    _check_trained(w, grad, batches)
 
 
 def test_tf_data_debug_mode_functions_that_write_are_refused() -> None:
