@@ -277,6 +277,8 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (distribute_lib.StrategyExtendedV2, "reduce_to", _distribute.cross_replica_reduce),
         (distribute_lib.StrategyExtendedV2, "batch_reduce_to", _distribute.cross_replica_reduce),
         (distribute_lib.StrategyExtendedV1, "update_non_slot", _distribute.non_slot_update),
+        # An all-reduce in a replica's graph under a forward accumulator (_distribute).
+        (distribute_lib.ReplicaContextBase, "all_reduce", _distribute.replica_all_reduce),
         # Replica threads that a merge_call's own call_for_each_replica starts
         # (Keras 3's LossScaleOptimizer) run as their replica (_distribute).
         (mirrored_run._MirroredReplicaThread, "run", _distribute.replica_thread_run),
