@@ -518,10 +518,11 @@ def replica_all_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     """``ReplicaContext.all_reduce`` (which Keras's optimizers sum the
     replicas' gradients with) in a graph, of values a ``ForwardAccumulator``
     of this replica has a tangent for, while a tape of ours is open here:
-    TensorFlow's forward mode gives a graph all-reduce no tangent (its
-    custom gradient's transpose runs in no replica), so every jvp through
-    it would miss the all-reduced value's: refused. Eagerly it is right."""
-    if executing_eagerly() or not _versions.open_here():
+    TensorFlow's forward mode gives a graph all-reduce across replicas no
+    tangent (plain TensorFlow's jvp is 0 where eager gives the value), so
+    every jvp through it would miss the all-reduced value's: refused. Eagerly
+    it is right; with one replica (no strategy) it is the value itself."""
+    if executing_eagerly() or not _versions.open_here() or getattr(instance, "num_replicas_in_sync", 1) <= 1:
         return wrapped(*args, **kwargs)
     value = kwargs.get("value", args[1] if len(args) > 1 else None)
     tensors = [t for t in nest.flatten(value, expand_composites=True) if isinstance(t, tensor_lib.Tensor)]
