@@ -213,9 +213,10 @@ def _arguments_writes(arguments: Any, depth: int = 0) -> List[Passed]:
             writes, iterator = _dataset_writes(leaf), False
         elif isinstance(leaf, iterator_ops.OwnedIterator):
             writes, iterator = _iterator_writes(leaf), True
-        elif isinstance(leaf, ops.EagerTensor) and leaf.dtype == dtypes.variant:
-            # A dataset's raw variant, rebuilt inside with from_variant.
-            writes = _dataset_graphs.unlisted_writes(leaf)
+        elif isinstance(leaf, ops.EagerTensor):
+            # A dataset's raw variant, rebuilt inside with from_variant. (No
+            # eager tensor is a composite: the costly check below is skipped.)
+            writes = _dataset_graphs.unlisted_writes(leaf) if leaf.dtype is dtypes.variant else []
             if writes:
                 found.append((False, None, writes))
             continue
