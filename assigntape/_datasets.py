@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Set, Tuple
 
-from assigntape import _functions, _leases, _versions
-from assigntape._tf import composite_tensor, dataset_ops, executing_eagerly, iterator_ops, nest, ops
+import tensorflow as tf
+
+from assigntape import _dataset_graphs, _functions, _leases, _py_functions, _versions
+from assigntape._tf import composite_tensor, dataset_ops, dtypes, executing_eagerly, iterator_ops, nest, ops
 
 __all__ = ["function_call", "multi_device_iterator", "next_element", "reduce_dataset", "save_dataset", "single_element"]
 
@@ -50,7 +52,10 @@ def _walk(dataset: Any) -> Tuple[List[_functions.Write], bool]:
     if cached is not None:
         return cached, True
     if isinstance(dataset, dataset_ops._VariantDataset):
-        return _passed_writes(dataset._variant_tensor, dataset.element_spec, iterator=False), False
+        # A dataset argument inside a trace, or one rebuilt from a variant.
+        variant = dataset._variant_tensor
+        passed = _passed_writes(variant, dataset.element_spec, iterator=False)
+        return passed + _dataset_graphs.unlisted_writes(variant), False
     writes: List[_functions.Write] = []
     cacheable = True
     try:
@@ -130,9 +135,18 @@ def _idle() -> bool:
     return not _versions._all_scopes and not _leases.closed_refs and executing_eagerly()
 
 
-def _guarded(writes: List[_functions.Write], context: str, run: Callable[[], Any]) -> Any:
-    """Runs ``run`` (which runs dataset functions making ``writes``) as the
-    tapes around it allow: refused, or run and then cut."""
+def _run(writes: List[_functions.Write], where: str, wrapped: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """``wrapped(*args, **kwargs)``, which runs dataset functions making
+    ``writes`` (if any), for ``where``: ``_guarded``."""
+    if not writes:
+        return wrapped(*args, **kwargs)
+    return _guarded(writes, where, lambda: wrapped(*args, **kwargs))
+
+
+def _guarded(writes: List[_functions.Write], where: str, run: Callable[[], Any]) -> Any:
+    """Runs ``run`` (which runs dataset functions making ``writes``, for
+    ``where``) as the tapes around it allow: refused, or run and then cut."""
+    context = _context(writes, where)
     hidden = writes
     if not executing_eagerly():
         # A dataset made outside the graph being traced and captured: its
@@ -154,6 +168,7 @@ def _guarded(writes: List[_functions.Write], context: str, run: Callable[[], Any
         _functions.outside_writes(writes, context)
         return run()
     scope, _ = found
+    _dataset_graphs.refuse_unlisted(scope.key is not None, [w for w in writes if w[0] is None], where)
     variables = _functions.variables_written(scope, writes)
     _functions.refuse_writes(scope, variables, context, _EAGER_FIXES, _GRAPH_FIXES)
     result = run()
@@ -178,7 +193,9 @@ def _passed_writes(component: Any, spec: Any, iterator: bool) -> List[_functions
     stack = getattr(_calls, "stack", None)
     if not stack:
         return []
-    return [w for kind, passed_spec, writes in stack[-1] if kind == iterator and passed_spec == spec for w in writes]
+    # (A raw variant argument's spec is unknown (None): it may be any.)
+    found = stack[-1]
+    return [w for kind, passed, writes in found if kind == iterator and passed in (spec, None) for w in writes]
 
 
 def _arguments_writes(arguments: Any, depth: int = 0) -> List[Passed]:
@@ -196,6 +213,13 @@ def _arguments_writes(arguments: Any, depth: int = 0) -> List[Passed]:
             writes, iterator = _dataset_writes(leaf), False
         elif isinstance(leaf, iterator_ops.OwnedIterator):
             writes, iterator = _iterator_writes(leaf), True
+        elif isinstance(leaf, ops.EagerTensor):
+            # A dataset's raw variant, rebuilt inside with from_variant. (No
+            # eager tensor is a composite: the costly check below is skipped.)
+            writes = _dataset_graphs.unlisted_writes(leaf) if leaf.dtype is dtypes.variant else []
+            if writes:
+                found.append((False, None, writes))
+            continue
         else:
             if isinstance(leaf, composite_tensor.CompositeTensor) and depth < _DEPTH:
                 found += _composite_writes(leaf, depth)
@@ -253,16 +277,49 @@ def function_call(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
             return _functions.inline(wrapped, instance, args, kwargs)
         writes = [w for _, _, passed in found for w in passed]
         name = getattr(instance, "_name", None) or getattr(instance.graph, "name", "function")
-        context = _context(writes, f"tf.function {name!r}, which was given the dataset or iterator as an argument")
-        return _guarded(writes, context, lambda: _functions.inline(wrapped, instance, args, kwargs))
+        where = f"tf.function {name!r}, which was given the dataset or iterator as an argument"
+        return _guarded(writes, where, lambda: _functions.inline(wrapped, instance, args, kwargs))
     finally:
         stack.pop()
 
 
-def _context(writes: List[_functions.Write], where: str) -> str:
-    """Names the dataset functions that write, and what runs them."""
-    names = ", ".join(sorted({repr(str(f.graph.name)) for _, _, f in writes}))
-    return f"tf.data function {names} (run by {where})"
+_context = _dataset_graphs.context
+
+
+def _probe_bodies(dataset: Any) -> None:
+    """Pulled in a tape's graph (traced now): the py_function bodies of the
+    dataset's functions, traced where it was made, run for that graph from
+    now on, and no tape is open when it runs: probed at every run
+    (``_py_functions.probe_always``)."""
+    if dataset is None or executing_eagerly():
+        return
+    found = _versions.call_context()
+    if found is None or found[0].key is None:
+        return
+    for graph in _function_graphs(dataset, set()):
+        _py_functions.probe_always(graph)
+
+
+def _function_graphs(dataset: Any, seen: Set[int]) -> List[Any]:
+    """The graphs of the functions ``dataset`` and its inputs run, and of
+    the functions those call, each once."""
+    graphs: List[Any] = []
+    try:
+        functions, inputs = dataset._functions(), dataset._inputs()
+    except (AttributeError, NotImplementedError):
+        return graphs
+    pending = [getattr(getattr(w, "function", None), "graph", None) for w in functions]
+    while pending:
+        graph = pending.pop()
+        if graph is None or id(graph) in seen:
+            continue
+        seen.add(id(graph))
+        graphs.append(graph)
+        pending += [g for op in graph.get_operations() for g in _functions._called_graphs(op, graph)]
+    for parent in inputs:
+        if isinstance(parent, dataset_ops.DatasetV2):
+            graphs += _function_graphs(parent, seen)
+    return graphs
 
 
 def next_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -270,11 +327,15 @@ def next_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
     element's functions run now (or ran ahead, prefetched)."""
     if _idle():
         return wrapped(*args, **kwargs)
-    writes = _iterator_writes(instance)
-    if not writes:
-        return wrapped(*args, **kwargs)
-    context = _context(writes, "an iterator's next element")
-    return _guarded(writes, context, lambda: wrapped(*args, **kwargs))
+    _probe_bodies(getattr(instance, "_dataset", None))
+    try:
+        return _run(_iterator_writes(instance), "an iterator's next element", wrapped, args, kwargs)
+    except tf.errors.UnknownError as error:
+        # A py_function body (from_generator's generator) refused (_py_functions).
+        refusal = _py_functions.refusal_in(error)
+        if refusal is None:
+            raise
+        raise refusal from error
 
 
 Hook = Callable[[Callable[..., Any], Any, Any, Any], Any]
@@ -287,10 +348,9 @@ def _runs_dataset(where: str) -> Hook:
     def hook(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         if _idle():
             return wrapped(*args, **kwargs)
+        _probe_bodies(instance)
         writes = _dataset_writes(instance)
-        if not writes:
-            return wrapped(*args, **kwargs)
-        return _guarded(writes, _context(writes, where), lambda: wrapped(*args, **kwargs))
+        return _run(writes, where, wrapped, args, kwargs)
 
     hook.__name__ = hook.__qualname__ = f"runs_{where.rsplit('.', 1)[-1]}"
     hook.__doc__ = f"``{where}``: the dataset's functions run now."
@@ -298,7 +358,7 @@ def _runs_dataset(where: str) -> Hook:
 
 
 single_element = _runs_dataset("Dataset.get_single_element")
-# (Its shard_func, traced inside, is not scanned: see the known limits.)
+# (Its shard_func, traced inside, is found at the op: ``save_op``.)
 save_dataset = _runs_dataset("Dataset.save")
 
 
@@ -309,33 +369,131 @@ def reduce_dataset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs
     reduce function), so its writes are found at the op that runs it."""
     if _idle():
         return wrapped(*args, **kwargs)
-    writes = _dataset_writes(instance)
-    context = _context(writes, "Dataset.reduce") if writes else ""
+    _probe_bodies(instance)
     token = _pending.__dict__.setdefault("stack", [])
-    token.append((writes, context))
+    token.append(_dataset_writes(instance))
     try:
         return wrapped(*args, **kwargs)
     finally:
         token.pop()
 
 
-def reduce_op(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``gen_dataset_ops.reduce_dataset``: the reduce function's own writes,
-    with its input dataset's (noted by ``reduce_dataset``)."""
-    if _idle():
+def _op_function(function_arg: str, handles_arg: str, position: int, where: str, pending: bool) -> Hook:
+    """The hook of a dataset op that runs one function, traced just before
+    by the Python method that builds the op (``reduce``'s reduce function,
+    ``save``'s shard_func): its writes, from its graph given the op's list
+    ``handles_arg`` (argument ``position``) as its last inputs, and, if
+    ``pending``, the input dataset's (noted by ``reduce_dataset``)."""
+
+    def hook(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+        if _idle():
+            return wrapped(*args, **kwargs)
+        stack = getattr(_pending, "stack", None)
+        writes = list(stack[-1]) if pending and stack else []
+        function = kwargs.get(function_arg)
+        handles = kwargs.get(handles_arg, args[position] if len(args) > position else None)
+        if function is not None and getattr(function, "graph", None) is not None and handles is not None:
+            captured = list(handles)
+            graph = function.graph
+            writes += _functions.function_writes(function, [None] * (len(graph.inputs) - len(captured)) + captured)
+        return _run(writes, where, wrapped, args, kwargs)
+
+    hook.__name__ = hook.__qualname__ = f"{function_arg}_op"
+    hook.__doc__ = f"The op of ``{where}``: its function's writes."
+    return hook
+
+
+# ``gen_dataset_ops.reduce_dataset``: the reduce function, after its input's.
+reduce_op = _op_function("f", "other_arguments", 2, "Dataset.reduce", pending=True)
+# ``gen_experimental_dataset_ops.save_dataset``: ``Dataset.save``'s shard_func.
+save_op = _op_function("shard_func", "shard_func_other_args", 2, "Dataset.save's shard_func", pending=False)
+
+
+# -- datasets that run ahead ---------------------------------------------------
+# From an iterator's making on, tf.data may run a dataset's functions ahead of
+# the elements asked for, in its own threads (a prefetch, autotune's injected
+# one, a parallel map or interleave): a write there may land at any time while
+# the iterator lives, with no call here to refuse it at. So every tape open
+# meanwhile refuses its first read of a variable such an iterator writes
+# (``_versions.note_unseen_writer``): the tape has not read it yet, and must
+# not, since it could not tell which version it reads.
+
+# The live iterators whose datasets write and run ahead, each with the writes.
+_ahead: "weakref.WeakKeyDictionary[Any, List[_functions.Write]]" = weakref.WeakKeyDictionary()
+
+_AHEAD_FIXES = (
+    "Make the write in the tape's own code instead of the dataset's functions, delete the "
+    "iterator before the tape opens, or keep tf.data from running ahead: no prefetch and no "
+    "num_parallel_calls, and options.autotune.enabled = False with "
+    "options.experimental_optimization.inject_prefetch = False (dataset.with_options(options))."
+)
+
+
+def _runs_ahead(dataset: Any) -> bool:
+    """Whether tf.data may run ``dataset``'s functions ahead, in the
+    background: autotune (on unless the options, the whole pipeline's, turn
+    it off) injects a prefetch; or a prefetch or parallel transformation in
+    it or its inputs."""
+    try:
+        options = dataset.options()
+        if options.autotune.enabled is not False and options.experimental_optimization.inject_prefetch is not False:
+            return True
+    except (AttributeError, NotImplementedError):
+        pass
+    return _ahead_stage(dataset)
+
+
+def _ahead_stage(dataset: Any) -> bool:
+    name = type(dataset).__name__
+    if "Prefetch" in name or "Parallel" in name:
+        return True
+    try:
+        inputs = dataset._inputs()
+    except (AttributeError, NotImplementedError):
+        return False
+    return any(_ahead_stage(d) for d in inputs if isinstance(d, dataset_ops.DatasetV2))
+
+
+def made_iterator(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``OwnedIterator.__init__``: made while a tape is open here, an iterator
+    whose dataset writes and runs ahead is refused (its functions would start
+    at once, unseen); made eagerly, it is noted for every tape open while it
+    lives (``note_ahead``). Always on: the iterator is often made before the
+    tape (a training loop's)."""
+    dataset = kwargs.get("dataset", args[0] if args else None)
+    if not isinstance(dataset, dataset_ops.DatasetV2) or not executing_eagerly():
+        return wrapped(*args, **kwargs)  # (in a graph, its next element is refused)
+    writes = [w for w in _dataset_writes(dataset) if w[0] is not None]
+    if not writes or not _runs_ahead(dataset):
         return wrapped(*args, **kwargs)
-    stack = getattr(_pending, "stack", None)
-    writes, context = stack[-1] if stack else ([], "")
-    function = kwargs.get("f")
-    handles = kwargs.get("other_arguments", args[2] if len(args) > 2 else None)
-    own: List[_functions.Write] = []
-    if function is not None and getattr(function, "graph", None) is not None and handles is not None:
-        captured = list(handles)
-        graph = function.graph
-        own = _functions.function_writes(function, [None] * (len(graph.inputs) - len(captured)) + captured)
-    if own:
-        context = _context(own, "Dataset.reduce")
-    writes = writes + own
-    if not writes:
-        return wrapped(*args, **kwargs)
-    return _guarded(writes, context, lambda: wrapped(*args, **kwargs))
+    if not _idle():
+        where = "the making of an iterator, from which tf.data runs them ahead, in the background"
+        _guarded(writes, where, lambda: wrapped(*args, **kwargs))
+    else:
+        wrapped(*args, **kwargs)
+    try:
+        _ahead[instance] = writes
+    except TypeError:
+        return None  # not weakly referable
+    for scope in list(_versions._all_scopes):
+        note_ahead(scope)
+    return None
+
+
+def note_ahead(scope: Any) -> None:
+    """A tape open in ``scope`` (entered, or open when the iterator was
+    made): its first read of a variable a live iterator's dataset writes
+    ahead is refused."""
+    for iterator, writes in list(_ahead.items()):
+        for var, op_type in _functions.variables_written(scope, writes):
+            own = _versions.canonical_handle(var)
+            if id(own) in scope.unnamed:
+                continue
+            refusal = (
+                f"Variable {var.name!r} is written ({op_type}) by {_context(writes, 'an iterator made before')}, "
+                "which tf.data runs ahead of the elements asked for, in its own threads, while this "
+                "AssignAwareTape is open: the tape cannot see those writes, so a read here could "
+                "credit the version from before one, a silently wrong gradient. " + _AHEAD_FIXES
+            )
+            _versions.note_unseen_writer(scope, own, op_type, refusal)
+        del iterator

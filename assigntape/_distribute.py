@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional
 import tensorflow as tf
 
 from assigntape import _versions
-from assigntape._errors import UntrackedWriteError
+from assigntape._errors import ControlFlowWriteError, UntrackedWriteError
 from assigntape._tf import (
     ALL_REDUCE_MERGE_FN,
     REPLICA_MERGE_CALL,
@@ -41,10 +41,12 @@ from assigntape._tf import (
     context,
     distribute_lib,
     distribute_values,
+    executing_eagerly,
     indexed_slices,
     math_ops,
     nest,
     ops,
+    pywrap_tfe,
     tensor_lib,
 )
 from assigntape._wrapping import bind
@@ -510,3 +512,26 @@ def aggregated_write(wrapped: Callable[..., Any], instance: Any, args: Any, kwar
         reduced = replica.all_reduce(getattr(tf.distribute.ReduceOp, aggregation), value)
     update_kwargs = {k: v for k, v in kwargs.items() if k not in ("var", "update_fn", "value")}
     return arguments["update_fn"](var._get_on_device_or_primary(), reduced, **update_kwargs)
+
+
+def replica_all_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``ReplicaContext.all_reduce`` (which Keras's optimizers sum the
+    replicas' gradients with) in a graph, of values a ``ForwardAccumulator``
+    of this replica has a tangent for, while a tape of ours is open here:
+    TensorFlow's forward mode gives a graph all-reduce across replicas no
+    tangent (plain TensorFlow's jvp is 0 where eager gives the value), so
+    every jvp through it would miss the all-reduced value's: refused. Eagerly
+    it is right; with one replica (no strategy) it is the value itself."""
+    if executing_eagerly() or not _versions.open_here() or getattr(instance, "num_replicas_in_sync", 1) <= 1:
+        return wrapped(*args, **kwargs)
+    value = kwargs.get("value", args[1] if len(args) > 1 else None)
+    tensors = [t for t in nest.flatten(value, expand_composites=True) if isinstance(t, tensor_lib.Tensor)]
+    if tensors and pywrap_tfe.TFE_Py_PackJVPs(tensors)[1]:
+        raise ControlFlowWriteError(
+            "A ForwardAccumulator has a tangent for a value all-reduced across replicas "
+            "(ReplicaContext.all_reduce, as an optimizer's step under MirroredStrategy sums its "
+            "gradients) inside a tf.function, where an AssignAwareTape is open: TensorFlow's "
+            "forward mode gives a graph all-reduce no tangent, so the jvp would miss it, a "
+            "silently wrong answer. Run the step eagerly or use reverse mode."
+        )
+    return wrapped(*args, **kwargs)

@@ -18,7 +18,7 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from assigntape import _rules, _versions
+from assigntape import _dataset_graphs, _rules, _versions
 from assigntape._errors import ControlFlowWriteError
 from assigntape._tf import (
     Function,
@@ -226,7 +226,14 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
         h if v is None else _versions.version_in(scope, branch, v)
         for h, v in ((h, scope.canonical.get(id(h))) for h in captured_in)
     ]
-    writes = variables_written(scope, function_writes(instance, tensor_inputs + captured_in))
+    found_writes = function_writes(instance, tensor_inputs + captured_in)
+    unlisted = [w for w in found_writes if w[0] is None]
+    if len(unlisted) == len(found_writes):
+        # Datasets known only by their variant: noted by the trace, or captured
+        # by a function whose trace noted nothing (traced before import assigntape).
+        unlisted += _dataset_graphs.captured_writes(instance, captured_in)
+        _dataset_graphs.refuse_unlisted(scope.key is not None, unlisted, _context(instance))
+    writes = variables_written(scope, found_writes)
     if not writes:
         return wrapped(tensor_inputs, captured)
     if scope.key is not None and _inlining():
@@ -426,7 +433,8 @@ def outside_writes(writes: List[Write], context: str) -> None:
     must not see its variables written behind its back (refused, as any
     write from another thread is); a closed tape may be re-entered, so tell it
     which of its variables ``context`` writes."""
-    for handle, op_type, _ in writes:
+    known = [w for w in writes if w[0] is not None]  # (not a dataset's known by its variant only)
+    for handle, op_type, _ in known:
         _versions.refuse_other_thread(handle, None, f"{op_type} in {context}")
-    for handle, _, _ in writes:
+    for handle, _, _ in known:
         _versions.note_write_while_closed(handle)

@@ -39,6 +39,7 @@ from assigntape import (
     _distribute,
     _functions,
     _fused,
+    _graph_gradients,
     _jvp,
     _leases,
     _plain_tapes,
@@ -63,6 +64,7 @@ from assigntape._tf import (
     forwardprop,
     gen_array_ops,
     gen_dataset_ops,
+    gen_experimental_dataset_ops,
     gen_resource_variable_ops,
     gen_state_ops,
     gen_training_ops,
@@ -247,6 +249,7 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (parallel_for, "pfor", _functions.vectorized),
         # Where tf.data's runtime runs a dataset's functions for the caller
         # (_datasets); TensorFlow calls the reduce op through the module.
+        (iterator_ops.OwnedIterator, "__init__", _datasets.made_iterator),
         (iterator_ops.OwnedIterator, "_next_internal", _datasets.next_element),
         (iterator_ops.OwnedIterator, "get_next_as_optional", _datasets.next_element),
         (dataset_ops.DatasetV2, "reduce", _datasets.reduce_dataset),
@@ -255,6 +258,7 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # tf.distribute's per-device iterators, fed by their source dataset (_datasets).
         (multi_device_iterator_ops.OwnedMultiDeviceIterator, "__init__", _datasets.multi_device_iterator),
         (gen_dataset_ops, "reduce_dataset", _datasets.reduce_op),
+        (gen_experimental_dataset_ops, "save_dataset", _datasets.save_op),
         # A tf.function given datasets or iterators as arguments (_datasets).
         (Function, "_call", _datasets.function_call),
         (ConcreteFunction, "__call__", _datasets.function_call),
@@ -275,6 +279,8 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (distribute_lib.StrategyExtendedV2, "reduce_to", _distribute.cross_replica_reduce),
         (distribute_lib.StrategyExtendedV2, "batch_reduce_to", _distribute.cross_replica_reduce),
         (distribute_lib.StrategyExtendedV1, "update_non_slot", _distribute.non_slot_update),
+        # An all-reduce in a replica's graph under a forward accumulator (_distribute).
+        (distribute_lib.ReplicaContextBase, "all_reduce", _distribute.replica_all_reduce),
         # Replica threads that a merge_call's own call_for_each_replica starts
         # (Keras 3's LossScaleOptimizer) run as their replica (_distribute).
         (mirrored_run._MirroredReplicaThread, "run", _distribute.replica_thread_run),
@@ -308,6 +314,8 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # Which gradient functions a cond, case, loop or function call in a
         # graph prepares; TensorFlow calls it through the module attribute.
         (gradients_util, "PossibleTapeGradientTypes", _control_flow.possible_gradient_types),
+        # tf.gradients after the tape that wrote a variable exited (_graph_gradients).
+        (gradients_util, "_GradientsHelper", _graph_gradients.gradients),
         # py_function bodies, which a tape's graph runs later (_py_functions).
         (script_ops, "_internal_py_func", _py_functions.py_function),
         # Saving a module whose functions hold a tape's writes (_saving).
@@ -341,7 +349,8 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
 # done, yet its gradient may go through a cond's or loop's, which must know
 # whether a tape recorded an earlier one (_control_flow.branch_gradient); and
 # a module is saved after every tape is gone (_saving); and a function may be
-# traced before the first tape around a dataset that writes (_datasets).
+# traced before the first tape around a dataset that writes (_datasets), and
+# a py_function traced then may write when a tape is open (_py_functions).
 _ALWAYS_ON = (
     _saving.trace_gradient_functions,
     _datasets.function_call,
@@ -349,6 +358,10 @@ _ALWAYS_ON = (
     _datasets.reduce_dataset,
     _datasets.reduce_op,
     _datasets.save_dataset,
+    _datasets.save_op,
+    _datasets.made_iterator,
+    _graph_gradients.gradients,
+    _py_functions.py_function,
     _datasets.multi_device_iterator,
     _datasets.single_element,
     _control_flow.branch_gradient,

@@ -1,30 +1,33 @@
-"""``tf.py_function`` / ``tf.numpy_function`` in a graph traced under a tape.
+"""``tf.py_function`` / ``tf.numpy_function`` in a graph.
 
 Eagerly, the Python body runs there and then, in the tape's thread, and its
-writes are followed like any other. Traced in a graph while a tape is open in
-the tracing thread (the tape's own graph, or a ``tf.function`` an eager tape
-calls), the body runs only when the graph runs, in one of TensorFlow's
-threads: the tape cannot follow a write made there, and reads after it would
-credit the version from before (or, for a variable the tape had not read
-yet, the write would pass for another thread's and lose its path). What the
-body will write is unknown while tracing, so the body is run under a probing
-tape, and a write of a differentiable variable there, while a tape of ours is
-open, fails the graph's run with ``UntrackedWriteError`` (TensorFlow reports
-it as its own ``UnknownError``, the message included; the write has happened
-by then).
+writes are followed like any other. Traced in a graph (a ``tf.function``, a
+``tf.data`` function such as ``from_generator``'s or a ``map``'s, traced
+before or under a tape), the body runs only when the graph runs, in one of
+TensorFlow's threads: the tape cannot follow a write made there, and reads
+after it would credit the version from before (or, for a variable the tape
+had not read yet, the write would pass for another thread's and lose its
+path). What the body will write is unknown while tracing, so the body is run
+under a probing tape whenever a tape of ours is open (in the tape's own
+graph, at every run), and a write of a differentiable variable there fails
+the graph's run with ``UntrackedWriteError`` (TensorFlow reports it as its
+own ``UnknownError``, the message included; the write has happened by then).
+Always on: a dataset's functions are traced where it is made, often before
+the first tape.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+import weakref
+from typing import Any, Callable, Optional
 
 from assigntape import _versions
 from assigntape._errors import UntrackedWriteError
-from assigntape._tf import executing_eagerly
+from assigntape._tf import executing_eagerly, nest
 from assigntape._wrapping import bind
 
-__all__ = ["py_function"]
+__all__ = ["py_function", "refusal_in"]
 
 _PARAMS = ("func", "inp", "Tout", "stateful", "use_eager_py_func", "is_grad_func", "name")
 
@@ -32,25 +35,59 @@ _PARAMS = ("func", "inp", "Tout", "stateful", "use_eager_py_func", "is_grad_func
 def py_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``script_ops._internal_py_func``, which every py_function, numpy_function
     and py_func builds through."""
-    if executing_eagerly() or not getattr(_versions._tls, "scopes", None):
-        return wrapped(*args, **kwargs)  # eager: the body runs here, followed; or no tape about
+    if executing_eagerly():
+        return wrapped(*args, **kwargs)  # the body runs here, followed
     arguments = bind(_PARAMS, args, kwargs)
     # Traced in a tape's own graph, the graph only ever runs for that tape:
     # probe every run. Traced for an eager tape's call, the function may run
     # later with no tape about: probe only while one is open.
     found = _versions.call_context()
-    arguments["func"] = _probed(arguments["func"], always=found is not None and found[0].key is not None)
-    return wrapped(**arguments)
+    always = _Always(found is not None and found[0].key is not None)
+    arguments["func"] = _probed(arguments["func"], always)
+    result = wrapped(**arguments)
+    try:
+        _always[nest.flatten(result)[0].op.get_attr("token")] = always
+    except (AttributeError, IndexError, TypeError, ValueError):
+        pass  # no op to name it by: probed while a tape is open only
+    return result
 
 
-def _probed(func: Callable[..., Any], always: bool) -> Callable[..., Any]:
+class _Always:
+    """Whether a body wrapped here is probed at every run (or only while a
+    tape is open), held by the body."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+
+# By their op's token, the bodies' ``_Always`` while they live. A dataset made
+# outside a tape's graph and pulled there holds bodies traced with no tape
+# about: from then on they run for that graph, where no tape is open when it
+# runs (``probe_always``).
+_always: "weakref.WeakValueDictionary[Any, _Always]" = weakref.WeakValueDictionary()
+
+
+def probe_always(graph: Any) -> None:
+    """The bodies of the py_functions in ``graph`` (a dataset's function's,
+    pulled in a tape's graph) are probed at every run from now on."""
+    for op in graph.get_operations():
+        if op.type in _PY_FUNC_OPS:
+            always = _always.get(op.get_attr("token"))
+            if always is not None:
+                always.on = True
+
+
+_PY_FUNC_OPS = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStateless"})
+
+
+def _probed(func: Callable[..., Any], always: _Always) -> Callable[..., Any]:
     name = getattr(func, "__name__", repr(func))
 
     @functools.wraps(func)
     def run(*args: Any) -> Any:
         from assigntape._tape import AssignAwareTape  # (the tape needs the patches, which need this)
 
-        if not always and not _versions.any_scopes():
+        if not always.on and not _versions.any_scopes():
             return func(*args)  # no tape of ours open now: plain TensorFlow
         try:
             with AssignAwareTape(persistent=True, watch_accessed_variables=False) as probe:
@@ -72,10 +109,26 @@ def _probed(func: Callable[..., Any], always: bool) -> Callable[..., Any]:
 
 def _refusal(name: str, what: str) -> str:
     return (
-        f"The Python function {name!r} of a tf.py_function / tf.numpy_function wrote {what} "
-        "while the graph of a tf.function ran, and a tape was open where that graph was traced: "
-        "the body runs only when the graph runs, out of the tape's sight, so reads after it "
+        f"The Python function {name!r} of a tf.py_function / tf.numpy_function (or a "
+        f"Dataset.from_generator generator) wrote {what} while an AssignAwareTape was open: "
+        "traced in a graph (a tf.function's or a tf.data function's), the body runs when "
+        "TensorFlow's runtime runs that graph, out of the tape's sight, so reads after it "
         "would credit the previous version, a silently wrong gradient. Make the write in the "
-        "tape's own code, outside the py_function, or run the step eagerly "
-        "(tf.config.run_functions_eagerly(True)), where a py_function's writes are followed."
+        "tape's own code, outside the py_function and the dataset's functions, or run the step "
+        "eagerly (tf.config.run_functions_eagerly(True)), where a py_function's writes are followed."
     )
+
+
+_MARK = UntrackedWriteError.__name__ + ": "
+
+
+def refusal_in(error: Exception) -> Optional[UntrackedWriteError]:
+    """The refusal a probed body raised, which TensorFlow's runtime reported
+    as its own error (an ``UnknownError`` carrying our message), if ``error``
+    is one: raised again as itself, the error the tape's rules promise."""
+    text = str(error)
+    start = text.find(_MARK)
+    if start < 0:
+        return None
+    refusal: UntrackedWriteError = UntrackedWriteError(text[start + len(_MARK) :].split("\n", 1)[0])
+    return refusal

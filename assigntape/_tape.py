@@ -7,7 +7,16 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
 
-from assigntape import _control_flow, _diagnostics, _patches, _plain_tapes, _record, _versions
+from assigntape import (
+    _control_flow,
+    _datasets,
+    _diagnostics,
+    _graph_gradients,
+    _patches,
+    _plain_tapes,
+    _record,
+    _versions,
+)
 from assigntape._errors import NotAVariableError
 from assigntape._tf import (
     UnconnectedGradients,
@@ -134,6 +143,8 @@ class AssignAwareTape(tf.GradientTape):
         _patches.acquire(record)
         self._end_lease()
         scope = self._scope = _versions.open_scope(record)
+        if _datasets._ahead:
+            _datasets.note_ahead(scope)  # iterators running a writing dataset ahead
         if not self._entered:
             self._entered = True
             self._snapshot_start(scope)
@@ -225,6 +236,7 @@ class AssignAwareTape(tf.GradientTape):
             for own, closed_at_write in scope.dirty.values():
                 if record in closed_at_write:
                     record.written_while_closed[id(own)] = own
+            _graph_gradients.note_closed(scope, record)
             holders = _plain_tapes.note_closing()
             _versions.close_scope(scope, record, holders)
         else:

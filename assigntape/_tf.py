@@ -23,7 +23,8 @@ SUPPORTED = "2.16 to 2.21"
 
 try:
     # Node attributes: keeping Grappler from bypassing a version's IdentityN.
-    from tensorflow.core.framework import attr_value_pb2
+    # A dataset's serialized graph: the functions of one known only by its variant.
+    from tensorflow.core.framework import attr_value_pb2, graph_pb2
 
     # The eager C API: the tape set (is recording stopped?) and jvp packing.
     from tensorflow.python import pywrap_tfe
@@ -84,6 +85,7 @@ try:
         default_gradient,
         gen_array_ops,
         gen_dataset_ops,
+        gen_experimental_dataset_ops,
         gen_resource_variable_ops,
         gen_state_ops,
         gen_training_ops,
@@ -304,6 +306,8 @@ __all__ = [
     "control_flow_util",
     "dataset_ops",
     "gen_dataset_ops",
+    "gen_experimental_dataset_ops",
+    "graph_pb2",
     "iterator_ops",
     "multi_device_iterator_ops",
     "default_gradient",

@@ -139,9 +139,10 @@ class Scope:
         # entered again that go on from it): each also in ``dirty``, whose
         # first read makes it current (``go_on_from``).
         self.resumed: Dict[int, Tuple[Any, Any, bool, List[Any]]] = {}
-        # id(handle) -> (handle, op name): variables written, since the tape
-        # opened, through a handle no tape could name (``unknown_variable_write``).
-        self.unnamed: Dict[int, Tuple[Any, str]] = {}
+        # id(handle) -> (handle, op name, refusal or ""): variables written, since the tape
+        # opened, through a handle no tape could name (``unknown_variable_write``),
+        # or that TensorFlow's runtime may write unseen (``note_unseen_writer``).
+        self.unnamed: Dict[int, Tuple[Any, str, str]] = {}
 
     def state(self, full: bool) -> Tuple[Any, ...]:
         """What a tape's entry may change here (``full``: a tape entered
@@ -1263,11 +1264,21 @@ def unknown_variable_write(tensor: Any, op_name: str) -> None:
     with ops.init_scope():  # the handle is eager, even while a graph is built
         if not gen_resource_variable_ops.var_is_initialized_op(tensor):
             return
-    scope.unnamed[id(tensor)] = (tensor, op_name)
-    with _all_lock:
-        if not _with_unnamed:
-            _check_reads(True)
-        _with_unnamed.add(id(scope))
+    note_unseen_writer(scope, tensor, op_name, "")
+
+
+def note_unseen_writer(scope: Scope, handle: Any, op_name: str, refusal: str) -> None:
+    """Refuses the first read in ``scope`` of the variable whose own handle is
+    ``handle``: written (or, by TensorFlow's runtime, maybe written) out of
+    the tapes' sight, by ``op_name``; ``refusal`` says so, if given."""
+    scope.unnamed[id(handle)] = (handle, op_name, refusal)
+    with _all_lock: _list_unnamed_locked(scope)  # noqa: E701 - see _list  # fmt: skip
+
+
+def _list_unnamed_locked(scope: Scope) -> None:
+    if not _with_unnamed:
+        _check_reads(True)
+    _with_unnamed.add(id(scope))
 
 
 # id() of every scope with a write noted by ``unknown_variable_write``: while
@@ -1312,6 +1323,8 @@ def refuse_unnamed(scope: Scope, var: Any, handle: Any) -> None:
     found = scope.unnamed.get(id(handle))
     if found is None or found[0] is not handle:
         return
+    if found[2]:
+        raise UntrackedWriteError(found[2])
     raise UntrackedWriteError(
         f"{'A variable' if var is None else f'Variable {var.name!r}'} was written by {found[1]} through a resource handle that no "
         "open AssignAwareTape could name (the variable was created before assigntape's "

@@ -595,3 +595,40 @@ def test_a_py_function_that_writes_nothing_in_a_function_an_eager_tape_calls_is_
         s = step()
         y = 2.0 * x * tf.stop_gradient(s)
     assert float(s) == 5.0 and float(tape.gradient(y, x)) == 10.0
+
+
+# -- tf.gradients in a tf.function after the tape that wrote the variable exited ---
+
+
+def _written_then_differentiated(y_in_tape: bool, persistent: bool) -> Callable[[], Any]:
+    w = tf.Variable(V0, dtype=tf.float64, name="w_written")
+    x = tf.constant(X0, tf.float64)
+
+    @tf.function
+    def step() -> Any:
+        with AssignAwareTape(persistent=persistent):
+            w.assign(w * x)
+            if y_in_tape:
+                y = x * tf.reduce_sum(w**2)
+        if not y_in_tape:
+            y = x * tf.reduce_sum(w**2)
+        return tf.gradients(y, w)[0]
+
+    return step
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["plain", "persistent"])
+def test_tf_gradients_after_the_tape_of_a_value_that_read_its_version_is_refused(persistent: bool) -> None:
+    """y read the version the tape made; after the tape ``w`` is the version
+    the tape started from, so the gradient would go back through the write
+    (2 x^2 w1 where the rewrite, whose w after the tape is w1, gives 2 x w1)."""
+    step = _written_then_differentiated(y_in_tape=True, persistent=persistent)
+    with pytest.raises(ControlFlowWriteError, match=r"(?s)tf\.gradients.*w_written.*tape\.gradient"):
+        step()
+
+
+def test_tf_gradients_after_the_tape_of_a_value_read_after_it_is_right() -> None:
+    """y reads w after the tape (its last version's value): the rewrite's
+    y = x * sum(w1^2) gives dy/dw1 = 2 x w1, by hand, with w1 = V0 * x."""
+    got = _written_then_differentiated(y_in_tape=False, persistent=False)()
+    np.testing.assert_allclose(got.numpy(), 2 * X0 * (V0 * X0))

@@ -538,12 +538,16 @@ def test_keras_loss_scale_optimizer_under_mirrored_strategy():
 
 def test_forward_accumulators_in_replicas():
     """A ForwardAccumulator in a replica around an all_reduce, an
-    AssignAwareTape inside or around it, no write: TensorFlow's results, the
-    same as with a plain tf.GradientTape. Eagerly, by hand: y = x0^2 + x1^2
-    summed over the replicas, each x = 2 with tangent 1, so jvp = 2*2 + 2*2 =
-    8, and dy/dx = 2x times the all-reduced upstream gradient (2) = 8. Was:
-    AttributeError 'ForwardAccumulator' object has no attribute '_tape'.
-    And through a Keras step in the replica, forward equals reverse."""
+    AssignAwareTape inside or around it, no write: eagerly TensorFlow's
+    results, the same as with a plain tf.GradientTape. By hand: y = x0^2 +
+    x1^2 summed over the replicas, each x = 2 with tangent 1, so jvp = 2*2 +
+    2*2 = 8, and dy/dx = 2x times the all-reduced upstream gradient (2) = 8.
+    Was: AttributeError 'ForwardAccumulator' object has no attribute
+    '_tape'. Compiled, TensorFlow's forward mode gives the graph all-reduce
+    no tangent (jvp 0 with a plain tape): with ours, refused. And through a
+    Keras step in the replica, forward equals reverse; with the tangent
+    along the data, which the all-reduced gradients depend on, the compiled
+    step is refused (was: the jvp without the all-reduce's tangent)."""
     out = _helper_output("mirrored_forward")
     # A Keras step's update, made in merge_call as each replica, is recorded
     # on that replica's accumulators too: each replica's jvp along lr equals
@@ -554,7 +558,14 @@ def test_forward_accumulators_in_replicas():
         for jvp, grad in got["result"]:
             np.testing.assert_allclose(jvp, grad, rtol=1e-5, err_msg=mode)
         np.testing.assert_allclose(sum(g for _, g in got["result"]), rewrite, rtol=1e-5, err_msg=mode)
+    along_data = out.pop("keras_step_data_tangent")
+    assert "result" in along_data["eager"], along_data
+    assert along_data["compiled"].get("error") == "ControlFlowWriteError", along_data
     for label, got in out.items():
+        if label.startswith("aware") and label.endswith("compiled"):
+            assert got.get("error") == "ControlFlowWriteError", (label, got)
+            assert "all-reduce" in got["message"] and "eagerly" in got["message"], label
+            continue
         assert "result" in got, (label, got)
         if label.endswith("eager"):
             assert got["result"] == [[8.0, 8.0], [8.0, 8.0]], (label, got)

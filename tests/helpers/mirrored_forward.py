@@ -62,15 +62,21 @@ def main() -> None:
     out["keras_step"] = {
         mode: _outcome(lambda: keras_step(strategy, mode == "compiled")) for mode in ("eager", "compiled")
     }
+    out["keras_step_data_tangent"] = {
+        mode: _outcome(lambda: keras_step(strategy, mode == "compiled", along_data=True))
+        for mode in ("eager", "compiled")
+    }
     from helpers.mirrored_loss_scale import sgd_rewrite
 
     out["rewrite_d_lr"] = sgd_rewrite()[0]
     print(json.dumps(out))
 
 
-def keras_step(strategy: Any, compiled: bool) -> Any:
+def keras_step(strategy: Any, compiled: bool, along_data: bool = False) -> Any:
     """A Keras SGD meta-step in each replica with a ForwardAccumulator (lr,
-    tangent 1) around the AssignAwareTape: each replica's [jvp, d/d lr]."""
+    tangent 1) around the AssignAwareTape: each replica's [jvp, d/d lr].
+    ``along_data``: the tangent is the replica's data ``x``'s (ones), which
+    the all-reduced gradient depends on: [jvp, d/d lr] too."""
     import keras
 
     from assigntape import AssignAwareTape
@@ -85,7 +91,8 @@ def keras_step(strategy: Any, compiled: bool) -> Any:
     )
 
     def step(x: Any) -> Any:
-        with tf.autodiff.ForwardAccumulator(lr, tf.constant(1.0)) as acc:
+        primal, tangent = (x, tf.ones_like(x)) if along_data else (lr, tf.constant(1.0))
+        with tf.autodiff.ForwardAccumulator(primal, tangent) as acc:
             with AssignAwareTape() as outer:
                 with tf.GradientTape() as inner:
                     loss = tf.reduce_sum((w * x) ** 2)
