@@ -18,7 +18,7 @@ import threading
 import weakref
 from typing import Any, Callable, List, Tuple
 
-from assigntape import _functions, _leases, _versions
+from assigntape import _branches, _functions, _leases, _registry
 from assigntape._tf import composite_tensor, dataset_ops, executing_eagerly, iterator_ops, nest, ops
 
 __all__ = ["function_call", "multi_device_iterator", "next_element", "reduce_dataset", "save_dataset", "single_element"]
@@ -127,7 +127,7 @@ def _idle() -> bool:
     """No tape anywhere, and executing eagerly: nothing to refuse or note.
     (These hooks are always in place: a function traced before the first
     tape must note the writes its graph hides, see ``_guarded``.)"""
-    return not _versions._all_scopes and not _leases.closed_refs and executing_eagerly()
+    return not _registry._all_scopes and not _leases.closed_refs and executing_eagerly()
 
 
 def _guarded(writes: List[_functions.Write], context: str, run: Callable[[], Any]) -> Any:
@@ -143,9 +143,9 @@ def _guarded(writes: List[_functions.Write], context: str, run: Callable[[], Any
         passed = {id(w) for entry in getattr(_calls, "stack", ()) for _, _, found in entry for w in found}
         hidden = [w for w in writes if id(w) not in passed]
         _functions.note_hidden_writes(ops.get_default_graph(), hidden)
-        if not _versions._all_scopes and not _leases.closed_refs:
+        if not _registry._all_scopes and not _leases.closed_refs:
             return run()
-    found = _versions.call_context()
+    found = _branches.call_context()
     if not hidden and (found is None or found[0].key is None):
         # Only a dataset argument's writes (in a trace): refused here if a
         # tape is open in this graph; for a tape outside it, at each call.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from assigntape import _patches, _versions
+from assigntape import _patches, _resolve, _resuming, _versions
 from assigntape._tape import AssignAwareTape
 from assigntape._tf import forwardprop, nest, pywrap_tfe
 
@@ -32,7 +32,7 @@ class _ForwardOnlyTape(AssignAwareTape):
 
 
 def _unwrapped(primal: Any) -> Any:
-    var = _versions.resolve(primal)
+    var = _resolve.resolve(primal)
     return primal if var is None else var
 
 
@@ -119,7 +119,7 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
             for own in pending:
                 var = _versions.variable_of_handle(own)
                 if var is not None:
-                    _versions.cut_on_first_read(scope, var, own)
+                    _resuming.cut_on_first_read(scope, var, own)
         finally:
             pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(self._accumulator)
 

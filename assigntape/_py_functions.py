@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from assigntape import _versions
+from assigntape import _branches, _registry
 from assigntape._errors import UntrackedWriteError
 from assigntape._tf import executing_eagerly
 from assigntape._wrapping import bind
@@ -28,17 +28,22 @@ __all__ = ["py_function"]
 
 _PARAMS = ("func", "inp", "Tout", "stateful", "use_eager_py_func", "is_grad_func", "name")
 
+# The tape class the probe opens (``AssignAwareTape``), set by ``_tape`` as it
+# is imported: the tape needs the patches, which need this module, so this
+# module cannot import the tape.
+probe_tape: Any = None
+
 
 def py_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``script_ops._internal_py_func``, which every py_function, numpy_function
     and py_func builds through."""
-    if executing_eagerly() or not getattr(_versions._tls, "scopes", None):
+    if executing_eagerly() or not getattr(_registry._tls, "scopes", None):
         return wrapped(*args, **kwargs)  # eager: the body runs here, followed; or no tape about
     arguments = bind(_PARAMS, args, kwargs)
     # Traced in a tape's own graph, the graph only ever runs for that tape:
     # probe every run. Traced for an eager tape's call, the function may run
     # later with no tape about: probe only while one is open.
-    found = _versions.call_context()
+    found = _branches.call_context()
     arguments["func"] = _probed(arguments["func"], always=found is not None and found[0].key is not None)
     return wrapped(**arguments)
 
@@ -48,12 +53,10 @@ def _probed(func: Callable[..., Any], always: bool) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def run(*args: Any) -> Any:
-        from assigntape._tape import AssignAwareTape  # (the tape needs the patches, which need this)
-
-        if not always and not _versions.any_scopes():
+        if not always and not _registry.any_scopes():
             return func(*args)  # no tape of ours open now: plain TensorFlow
         try:
-            with AssignAwareTape(persistent=True, watch_accessed_variables=False) as probe:
+            with probe_tape(persistent=True, watch_accessed_variables=False) as probe:
                 result = func(*args)
         except UntrackedWriteError as error:
             # The other-thread rule saw it first (the body runs in one of
