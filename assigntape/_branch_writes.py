@@ -477,13 +477,23 @@ def _poison_duplicates(op_name: str, var: Any, arguments: Dict[str, Any], value:
         return array_ops.identity_n([value, math_ops.greater(hits, 0.0)])[0]
 
 
-def write_around(scope: Any, around: Any, variables: List[Any], write: Callable[[], Any], what: str) -> Any:
-    """A write by a tape (``scope``) opened inside another tape's cond branch
-    or loop body (``around``): ``write()`` makes it that body's (so that it
-    leaves the body for the outer tape), and each of ``variables`` then gets
-    the body's new handle as its version on this tape."""
+def write_in_body(
+    scope: Any, branch: Any, around: Any, variables: List[Any], write: Callable[[Any], Any], what: str
+) -> Any:
+    """The one path of a write of ``variables`` that goes to a body, by
+    ``write(body)``, which makes it that body's (a handle and value in the
+    body, which leave it with the cond or loop): in a cond branch or loop
+    body of the tape's own graph (``branch``), or, by a tape opened inside
+    another tape's cond branch or loop body (``around``,
+    ``_branches.branch_around``; ``branch`` None), in that body, so that it
+    leaves the body for the outer tape, each of ``variables`` then getting
+    the body's new handle as its version on this tape too. (Every write op,
+    fused kernel and cond or loop output goes through here, or, at the
+    tape's own level, makes its version there.)"""
+    if branch is not None:
+        return write(branch)
     olds = [scope.current.get(var._unique_id, around.version_of(var)) for var in variables]
-    result = write()
+    result = write(around)
     recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
     for var, old in zip(variables, olds):
         scope.advance(var, old, around.versions[var._unique_id], _record.WriteRecord(what, recorded=recorded))
@@ -494,12 +504,9 @@ def _leave(scope: Any, parent: Any, var: Any, value: Any, what: str) -> None:
     """After a cond or loop, ``value`` (its output) is the variable's value in the
     graph around it: a new version there, or, inside a branch or loop body, that
     body's latest value."""
-    if parent is not None:
-        _branch_version(parent, var, value, value)
-        return
-    around = _branches.branch_around(scope)
-    if around is not None:
-        write_around(scope, around, [var], lambda: _branch_version(around, var, value, value), what)
+    around = None if parent is not None else _branches.branch_around(scope)
+    if parent is not None or around is not None:
+        write_in_body(scope, parent, around, [var], lambda body: _branch_version(body, var, value, value), what)
         return
     old = scope.current_version(var)
     if scope.key is None:

@@ -72,18 +72,16 @@ def tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Cal
             return wrapped(*args, **kwargs)
         arguments.update(values)
         _threads.refuse_foreign_inputs(var, op_name, [arguments[name] for name in rule.value_args])
-        if branch is not None:
-            return _branch_writes.branch_write(op_name, rule, wrapped, arguments, branch, var)
-        if around is not None:
-            # A tape opened inside another tape's cond branch or loop body.
-            return _branch_writes.write_around(
-                scope,
-                around,
-                [var],
-                lambda: _branch_writes.branch_write(op_name, rule, wrapped, arguments, around, var),
-                op_name,
-            )
-        return write_here(scope, var, op_name, rule, wrapped, arguments, handle)
+        if branch is None and around is None:
+            return write_here(scope, var, op_name, rule, wrapped, arguments, handle)
+        return _branch_writes.write_in_body(
+            scope,
+            branch,
+            around,
+            [var],
+            lambda body: _branch_writes.branch_write(op_name, rule, wrapped, arguments, body, var),
+            op_name,
+        )
 
     return wrapper
 
@@ -177,16 +175,15 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
         if kernel.sparse:
             arguments["indices"] = ops.convert_to_tensor(arguments["indices"])
             checks = _fused.no_duplicates(arguments["indices"], first.name, op_name)
-        if branch is not None:
-            return _branch_writes.fused_branch_write(op_name, kernel, wrapped, arguments, branch, tracked, checks)
-        if around is not None:
-            # A tape opened inside another tape's cond branch or loop body.
-            written = [tracked[name] for name in _fused.written(kernel, arguments) if name in tracked]
-            return _branch_writes.write_around(
+        if branch is not None or around is not None:
+            return _branch_writes.write_in_body(
                 scope,
+                branch,
                 around,
-                written,
-                lambda: _branch_writes.fused_branch_write(op_name, kernel, wrapped, arguments, around, tracked, checks),
+                [tracked[name] for name in _fused.written(kernel, arguments) if name in tracked],
+                lambda body: _branch_writes.fused_branch_write(
+                    op_name, kernel, wrapped, arguments, body, tracked, checks
+                ),
                 op_name,
             )
         # The previous versions: a tracked variable's current one (whichever of
