@@ -39,7 +39,6 @@ from assigntape import (
     _versions,
 )
 from assigntape._errors import ControlFlowWriteError
-from assigntape._record import Record
 from assigntape._tf import (
     ControlFlowFuncGraph,
     UnconnectedGradients,
@@ -294,9 +293,7 @@ def _opened(instance: Any) -> None:
             # otherwise take the versions current at this re-entry).
             setattr(instance, _START, {})
         if held_in is key:
-            # (A tape pauses through its record; an accumulator cannot.)
-            resuming = record if hasattr(instance, "_pop_tape") else None
-            _resuming.resume_holder(instance, versions, record.written_while_closed, resuming)
+            _resuming.resume_holder(instance, versions, record.written_while_closed, record)
 
 
 def _still_open(instance: Any) -> bool:
@@ -337,7 +334,7 @@ def _closed(instance: Any, ends: Optional[Dict[str, Any]] = None) -> None:
         # It may be entered again (a persistent tape, an accumulator): it then
         # goes on from the versions it held, so note the writes made meanwhile,
         # as for a closed AssignAwareTape (``_resuming.note_write_while_closed``).
-        record = Record(instance)
+        record = _resuming.recorder_record(instance)
         for own in unseen:
             record.written_while_closed[id(own)] = own
         setattr(instance, _HELD, (_registry.current_key(), held, record))

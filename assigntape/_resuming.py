@@ -14,8 +14,10 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from assigntape import _leases
 from assigntape._record import Record, WriteRecord
-from assigntape._registry import _list, _scopes, _tls, current_key
+from assigntape._registry import _list, _scopes, _tls, current_key, open_plain
 from assigntape._tf import (
+    forwardprop,
+    pywrap_tfe,
     record,
     resource_variable_ops,
 )
@@ -48,9 +50,7 @@ def unseen_writes(recorder: Any, ids: bool = False) -> List[Any]:
     return found
 
 
-def resume_holder(
-    holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], resuming: Optional[Record] = None
-) -> None:
+def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], resuming: Record) -> None:
     """A plain tape or forward accumulator that held versions (``held_by``),
     or that exited where a tape of ours was open (``owned``: the versions
     current then), is entered again in the same graph: it goes on from them,
@@ -59,12 +59,10 @@ def resume_holder(
     ``stop_recording``, so they go on from a new version with no gradient path
     (their own handle may be a version it started from).
 
-    A plain tape (``resuming``: its record, which pauses it) does so at each
-    variable's first read, as a tape of ours entered again does
-    (``_resume_inside``), also where a tape of ours opened since is open
-    (which goes on from its own). An accumulator, which cannot be paused, does
-    so at once where no tape of ours is open (``_resume_now``), and goes on
-    from that tape's versions where one is.
+    It does so at each variable's first read, as a tape of ours entered again
+    does (``_resume_inside``; ``resuming`` is its record, which pauses it:
+    ``recorder_record``), also where a tape of ours opened since is open
+    (which goes on from its own).
     """
     key = current_key()
     scope = _scopes().get(key)
@@ -72,31 +70,76 @@ def resume_holder(
         scope = _scopes()[key] = Scope(key)
         _list(scope)
         scope.holders = [holder]
-        if resuming is None:
-            _resume_now(scope, held, written)
-            return
-    if scope is not None and resuming is not None:
+    if scope is not None:
         _resume_inside(scope, held, written, resuming)
 
 
-def _resume_now(scope: Scope, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any]) -> None:
-    """``resume_holder`` for an accumulator, in the scope just made for it."""
-    written = dict(written)
-    for handle, var in held.values():
-        own = canonical_handle(var)
-        if written.pop(id(own), None) is not None:
-            handle = new_version(own, None)
-        scope.adopt(var, handle)
-    # Written meanwhile and not among them: its own handle would be credited
-    # to it as its source (which means the version at its entry, not this one).
-    for own in written.values():
-        var = variable_of_handle(own)
-        if var is not None:
-            scope.adopt(var, new_version(own, None))
+class AccumulatorRecord(Record):
+    """The record of a forward accumulator that may be entered again, paused
+    as a tape's record pauses its tape: TensorFlow's accumulator is taken out
+    of the thread's set of accumulators (and ``_recording`` is False, as for
+    a tape popped), and the accumulators entered after it are taken out and
+    put back around it, so that every accumulator keeps its nesting order (an
+    outer one records what an inner one computes)."""
+
+    def __init__(self, accumulator: Any) -> None:
+        super().__init__(accumulator)
+        self._after: List[Any] = []  # the accumulators put back on it while paused
+
+    def recording_tape(self) -> Optional[Any]:
+        return None  # (an accumulator is on no tape stack)
+
+    def pause(self) -> None:
+        accumulator = self._tape()
+        if accumulator is None or not accumulator._recording:
+            return
+        after = _entered_after(accumulator)
+        for other in reversed(after):
+            pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(other._accumulator)
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(accumulator._accumulator)
+        accumulator._recording = False
+        for other in after:
+            pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(other._accumulator)
+        self._after = after
+
+    def resume(self) -> None:
+        accumulator = self._tape()
+        if accumulator is None or accumulator._recording:
+            return
+        after, self._after = self._after, []
+        for other in reversed(after):
+            pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(other._accumulator)
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator._accumulator)
+        accumulator._recording = True
+        for other in after:
+            pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(other._accumulator)
+
+
+def _entered_after(accumulator: Any) -> List[Any]:
+    """The accumulators recording in this thread that were entered after
+    ``accumulator``, innermost last (``_registry.open_plain``)."""
+    found: List[Any] = []
+    seen = False
+    for ref, _ in open_plain():
+        other = ref()
+        if other is accumulator:
+            seen = True
+        elif seen and isinstance(other, forwardprop.ForwardAccumulator) and other._recording:
+            found.append(other)
+    return found
+
+
+def recorder_record(recorder: Any) -> Record:
+    """The record of a plain tape or forward accumulator that may be entered
+    again: the one interface (``Record``: recording, pause, resume) that the
+    versions it goes on from need of it, whatever kind of recorder it is."""
+    if isinstance(recorder, forwardprop.ForwardAccumulator):
+        return AccumulatorRecord(recorder)
+    return Record(recorder)
 
 
 def _resume_inside(scope: Scope, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], resuming: Record) -> None:
-    """``resume_holder`` for a plain tape: each variable no tape of ``scope``
+    """``resume_holder``: each variable no tape of ``scope``
     wrote goes on from the holder's version (``go_on_from``), or,
     written while the holder was closed, from a new version it has no path
     through, made at its first read (``cut_on_first_read``). A variable a
