@@ -3,7 +3,9 @@ module level or inside a function (a function-level import of a higher
 module, to dodge a circle at import time, is a circle at run time)."""
 
 import ast
+import functools
 import os
+import re
 from typing import Dict, List, Set
 
 import assigntape
@@ -94,6 +96,37 @@ def test_the_library_modules_import_each_other_without_a_circle():
     graph = _graph()
     assert "assigntape._versions" in graph and graph["assigntape._tape"]  # the parse found the imports
     assert _cycle(graph) == [], " -> ".join(_cycle(graph))
+
+
+def _floors(graph: Dict[str, Set[str]]) -> Dict[str, int]:
+    """The library's modules (not the examples, the testing helpers or
+    ``__main__``) by floor: 0 for a module that imports none of them, else
+    one above the highest it imports."""
+    library = {m: {d for d in deps if d in graph and _in_library(d)} for m, deps in graph.items() if _in_library(m)}
+
+    @functools.lru_cache(maxsize=None)
+    def floor(module: str) -> int:
+        return 1 + max((floor(d) for d in library[module]), default=-1)
+
+    return {m.replace("assigntape.", ""): floor(m) for m in library}
+
+
+def _in_library(module: str) -> bool:
+    # (The examples and testing subpackages are users of the library.)
+    return module == "assigntape" or (
+        module.count(".") == 1 and module.startswith("assigntape._") and module != "assigntape.__main__"
+    )
+
+
+def test_how_it_works_lists_every_module_on_its_floor():
+    """docs/how-it-works.md's table of modules is drawn from the code."""
+    graph = _graph()
+    assert _cycle(graph) == []
+    with open(os.path.join(os.path.dirname(PACKAGE), "docs", "how-it-works.md")) as f:
+        text = f.read()
+    table = text[text.index("## The modules") : text.index("## The path of one write")]
+    listed = {m: int(floor) for floor, m in re.findall(r"^ *(\d+) +(\w+) ", table, flags=re.M)}
+    assert listed == _floors(graph)
 
 
 def test_the_cycle_check_finds_a_circle():
