@@ -105,7 +105,7 @@ def _snapshot(recorder: Any = None) -> Optional[Dict[str, Any]]:
     if found is None:
         return None
     scope, branch = found
-    snapshot = scope.current_versions(recorder)
+    snapshot = _resuming.versions_for(scope, recorder)
     chain = []
     while branch is not None:
         chain.append(branch)

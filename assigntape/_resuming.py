@@ -10,6 +10,7 @@ again it goes on from its versions, lazily: at each variable's first read
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from assigntape import _leases
@@ -21,7 +22,12 @@ from assigntape._tf import (
     record,
     resource_variable_ops,
 )
-from assigntape._versions import Scope, _among, _drop, canonical_handle, new_version, variable_of_handle
+from assigntape._versions import Scope, _drop, canonical_handle, new_version, variable_of_handle
+
+
+def _among(records: Sequence[Any], recorder: Any) -> bool:
+    """Whether ``recorder`` (a tape, or its record) is one of ``records``."""
+    return any(r is recorder or r._tape() is recorder for r in records)
 
 
 def held_by(holder: Any) -> Dict[str, Tuple[Any, Any]]:
@@ -30,7 +36,29 @@ def held_by(holder: Any) -> Dict[str, Tuple[Any, Any]]:
     scope = _scopes().get(current_key())
     if scope is None or scope.records or not any(h is holder for h in scope.holders):
         return {}
-    return owned(scope.current_versions(holder))
+    return owned(versions_for(scope, holder))
+
+
+def versions_for(scope: Scope, recorder: Any = None) -> Dict[str, Any]:
+    """The versions current in ``scope`` for ``recorder`` (a tape, or a
+    record; None: for every tape): ``scope.current``, and the versions
+    ``recorder``, entered again, goes on from, which become current at their
+    variables' first read (``go_on_from``): until then, for the other tapes,
+    the variable's own handle is its version. A variable written while it
+    was closed and not read since gets a version it did not see made, kept
+    by the scope (the store's queries make nothing: this does)."""
+    found = dict(scope.current)
+    if recorder is None:
+        return found
+    for handle, var, _, knowing in scope.resumed.values():
+        if _among(knowing, recorder):
+            found.setdefault(var._unique_id, handle)
+    for own, closed in scope.dirty.values():
+        var = variable_of_handle(own)
+        if var is not None and var._unique_id not in found and _among(closed, recorder):
+            unseen = found[var._unique_id] = new_version(own, None)
+            scope.keep(var, unseen)
+    return found
 
 
 def unseen_writes(recorder: Any, ids: bool = False) -> List[Any]:
@@ -76,43 +104,63 @@ def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[i
 
 class AccumulatorRecord(Record):
     """The record of a forward accumulator that may be entered again, paused
-    as a tape's record pauses its tape: TensorFlow's accumulator is taken out
-    of the thread's set of accumulators (and ``_recording`` is False, as for
-    a tape popped), and the accumulators entered after it are taken out and
-    put back around it, so that every accumulator keeps its nesting order (an
-    outer one records what an inner one computes)."""
+    as a tape's record pauses its tape: set aside (``set_aside``)."""
 
     def __init__(self, accumulator: Any) -> None:
         super().__init__(accumulator)
-        self._after: List[Any] = []  # the accumulators put back on it while paused
+        self._paused = False
 
     def recording_tape(self) -> Optional[Any]:
         return None  # (an accumulator is on no tape stack)
 
     def pause(self) -> None:
         accumulator = self._tape()
-        if accumulator is None or not accumulator._recording:
-            return
-        after = _entered_after(accumulator)
-        for other in reversed(after):
-            pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(other._accumulator)
-        pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(accumulator._accumulator)
-        accumulator._recording = False
-        for other in after:
-            pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(other._accumulator)
-        self._after = after
+        if accumulator is not None and accumulator._recording:
+            _take_out(accumulator)
+            self._paused = True
 
     def resume(self) -> None:
         accumulator = self._tape()
-        if accumulator is None or accumulator._recording:
-            return
-        after, self._after = self._after, []
-        for other in reversed(after):
-            pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(other._accumulator)
-        pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator._accumulator)
-        accumulator._recording = True
-        for other in after:
-            pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(other._accumulator)
+        if self._paused and accumulator is not None:
+            _put_back(accumulator)
+        self._paused = False
+
+
+@contextlib.contextmanager
+def set_aside(accumulator: Any) -> Iterator[None]:
+    """Runs the block with ``accumulator`` (recording) out of TensorFlow's
+    set of accumulators, as a tape popped (``_recording`` False), and puts
+    it back where it was: the accumulators entered after it are taken out
+    and put back around it, so that every accumulator keeps its nesting order
+    (an outer one records what an inner one computes)."""
+    if not accumulator._recording:
+        yield
+        return
+    _take_out(accumulator)
+    try:
+        yield
+    finally:
+        _put_back(accumulator)
+
+
+def _take_out(accumulator: Any) -> None:
+    after = _entered_after(accumulator)
+    for other in reversed(after):
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(other._accumulator)
+    pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(accumulator._accumulator)
+    accumulator._recording = False
+    for other in after:
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(other._accumulator)
+
+
+def _put_back(accumulator: Any) -> None:
+    after = _entered_after(accumulator)
+    for other in reversed(after):
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(other._accumulator)
+    pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator._accumulator)
+    accumulator._recording = True
+    for other in after:
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(other._accumulator)
 
 
 def _entered_after(accumulator: Any) -> List[Any]:
@@ -177,8 +225,7 @@ def go_on_from(scope: Scope, resumed: Sequence[Tuple[Any, Any, Any, bool]], resu
             if entry is not None:
                 closed_at_write.extend(entry[3])  # the made one yields
             scope.resumed[id(own)] = (handle, var, made, [resuming])
-            scope.owners[id(handle)] = var
-            scope.pinned.append(handle)
+            scope.keep(var, handle)
         elif entry[0] is handle:
             entry[3].append(resuming)
         else:

@@ -263,7 +263,7 @@ class AssignAwareTape(tf.GradientTape):
         self._entered = self._scope is not None
         scope = self._scope
         self._record.restart(
-            {} if scope is None else scope.current_versions(self._record), {} if scope is None else scope.owners
+            {} if scope is None else _resuming.versions_for(scope, self._record), {} if scope is None else scope.owners
         )
 
     def _snapshot_start(self, scope: _versions.Scope) -> None:

@@ -142,26 +142,6 @@ class Scope:
         self.resumed.clear()
         self.resumed.update(resumed)
 
-    def current_versions(self, recorder: Any = None) -> Dict[str, Any]:
-        """``current``, and the versions ``recorder`` (a tape, or a record)
-        entered again goes on from, which become current at their variables'
-        first read (``go_on_from``): until then, for the other tapes, the
-        variable's own handle is its version."""
-        found = dict(self.current)
-        if recorder is None:
-            return found
-        for handle, var, _, knowing in self.resumed.values():
-            if _among(knowing, recorder):
-                found.setdefault(var._unique_id, handle)
-        # Written while it was closed, not read since: a version it did not see made.
-        for own, closed in self.dirty.values():
-            var = variable_of_handle(own)
-            if var is not None and var._unique_id not in found and _among(closed, recorder):
-                unseen = found[var._unique_id] = new_version(own, None)
-                self.owners[id(unseen)] = var
-                self.pinned.append(unseen)
-        return found
-
     def current_version(self, var: Any) -> Any:
         handle = self.current.get(var._unique_id)
         return canonical_handle(var) if handle is None else handle
@@ -186,13 +166,18 @@ class Scope:
         for r in self.records:
             r.note_write(var, old, new, write)
 
+    def keep(self, var: Any, handle: Any) -> None:
+        """Keeps ``handle``, a version of ``var`` not current (yet), while the
+        scope lives, and names its variable."""
+        self.owners[id(handle)] = var
+        self.pinned.append(handle)
+
     def adopt(self, var: Any, handle: Any) -> None:
         """Makes ``handle``, an existing version (not a write here), the
         variable's current one, kept while the scope lives."""
         uid = var._unique_id
         self.current[uid] = handle
-        self.owners[id(handle)] = var
-        self.pinned.append(handle)
+        self.keep(var, handle)
         self.seen.add(uid)
         self.canonical[id(canonical_handle(var))] = var
 
@@ -267,11 +252,6 @@ def scope_state(key: Any, full: bool) -> Optional[Tuple[Scope, Tuple[Any, ...]]]
     entered again changes there (else only its records), for ``abandon_scope``."""
     scope = _scopes().get(key)
     return None if scope is None else (scope, scope.state(full))
-
-
-def _among(records: Sequence[Any], recorder: Any) -> bool:
-    """Whether ``recorder`` (a tape, or its record) is one of ``records``."""
-    return any(r is recorder or r._tape() is recorder for r in records)
 
 
 def _drop(scope: Scope) -> None:
