@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
+from assigntape import _signals
 from assigntape._refusals import refuse_unnamed
 from assigntape._registry import _GRAPH_STACK, _all_scopes, _enclosing_scope, _tls, _with_unnamed, eager_scope, served
 from assigntape._resolve import _RESOURCE_VARIABLE, resolve
@@ -340,6 +341,7 @@ def not_ok_status(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
 
 
 _READING = HandleDescriptor()
+_signals.called_from_c(HandleDescriptor.__get__.__code__)  # no signal handler raises in it
 served.append((_BASE_VARIABLE, "_handle", _READING, None))
 
 
