@@ -116,13 +116,13 @@ class AccumulatorRecord(Record):
     def pause(self) -> None:
         accumulator = self._tape()
         if accumulator is not None and accumulator._recording:
-            _take_out(accumulator)
+            _place(accumulator, False)
             self._paused = True
 
     def resume(self) -> None:
         accumulator = self._tape()
         if self._paused and accumulator is not None:
-            _put_back(accumulator)
+            _place(accumulator, True)
         self._paused = False
 
 
@@ -136,29 +136,25 @@ def set_aside(accumulator: Any) -> Iterator[None]:
     if not accumulator._recording:
         yield
         return
-    _take_out(accumulator)
+    _place(accumulator, False)
     try:
         yield
     finally:
-        _put_back(accumulator)
+        _place(accumulator, True)
 
 
-def _take_out(accumulator: Any) -> None:
+def _place(accumulator: Any, recording: bool) -> None:
+    """Puts ``accumulator`` in (``recording``) or takes it out of TensorFlow's
+    set of accumulators, where it was entered: the ones entered after it are
+    taken out first and put back after it."""
     after = _entered_after(accumulator)
     for other in reversed(after):
         pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(other._accumulator)
-    pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(accumulator._accumulator)
-    accumulator._recording = False
-    for other in after:
-        pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(other._accumulator)
-
-
-def _put_back(accumulator: Any) -> None:
-    after = _entered_after(accumulator)
-    for other in reversed(after):
-        pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(other._accumulator)
-    pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator._accumulator)
-    accumulator._recording = True
+    if recording:
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator._accumulator)
+    else:
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(accumulator._accumulator)
+    accumulator._recording = recording
     for other in after:
         pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(other._accumulator)
 

@@ -7,6 +7,8 @@ rewrite (the same program on tensors) under plain TensorFlow accumulators."""
 
 from __future__ import annotations
 
+from typing import Tuple
+
 import tensorflow as tf
 
 from assigntape import AssignAwareTape
@@ -25,13 +27,20 @@ def _rewrite_first_order() -> tf.Tensor:
     return acc.jvp(y)
 
 
-def test_an_accumulator_entered_again_inside_a_new_tape_goes_on_from_its_versions():
+def _written_under_a_tape() -> Tuple[tf.Tensor, tf.Variable, tf.autodiff.ForwardAccumulator]:
+    """x, v, and an accumulator of x (tangent 1) that recorded ``v.assign(v *
+    x)`` inside an ``AssignAwareTape``, both closed since."""
     x = tf.constant(X)
     v = tf.Variable(V0)
     acc = tf.autodiff.ForwardAccumulator(x, tf.constant(1.0))
     with AssignAwareTape():
         with acc:
             v.assign(v * x)
+    return x, v, acc
+
+
+def test_an_accumulator_entered_again_inside_a_new_tape_goes_on_from_its_versions():
+    x, v, acc = _written_under_a_tape()
     with AssignAwareTape() as tape:
         with acc:
             y = v * v
@@ -44,24 +53,14 @@ def test_an_accumulator_entered_again_inside_a_new_tape_goes_on_from_its_version
 
 
 def test_an_accumulator_entered_again_alone_still_goes_on_from_its_versions():
-    x = tf.constant(X)
-    v = tf.Variable(V0)
-    acc = tf.autodiff.ForwardAccumulator(x, tf.constant(1.0))
-    with AssignAwareTape():
-        with acc:
-            v.assign(v * x)
+    _, v, acc = _written_under_a_tape()
     with acc:
         y = v * v
     assert float(acc.jvp(y)) == float(_rewrite_first_order())
 
 
 def test_a_write_while_the_accumulator_was_closed_has_no_tangent_for_it():
-    x = tf.constant(X)
-    v = tf.Variable(V0)
-    acc = tf.autodiff.ForwardAccumulator(x, tf.constant(1.0))
-    with AssignAwareTape():
-        with acc:
-            v.assign(v * x)
+    x, v, acc = _written_under_a_tape()
     v.assign_add(x)  # the accumulator is closed: it does not see this write
     with AssignAwareTape():
         with acc:
@@ -81,12 +80,7 @@ def test_accumulators_keep_their_nesting_order_when_one_entered_again_goes_on():
     """Forward over forward: ``inner``, entered inside the accumulator entered
     again, computes its jvp, which the outer one differentiates: only if the
     outer one stays outer (sees what the inner one computes)."""
-    x = tf.constant(X)
-    v = tf.Variable(V0)
-    outer = tf.autodiff.ForwardAccumulator(x, tf.constant(1.0))
-    with AssignAwareTape():
-        with outer:
-            v.assign(v * x)
+    x, v, outer = _written_under_a_tape()
     with AssignAwareTape():
         with outer:
             with tf.autodiff.ForwardAccumulator(x, tf.constant(1.0)) as inner:
