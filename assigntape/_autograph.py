@@ -21,6 +21,14 @@ _MODULES = (
     "assigntape._diagnostics",
     "assigntape._patches",
     "assigntape._versions",
+    # The version store's neighbours: the handle descriptor and the refusals run in user code's traces.
+    "assigntape._registry",
+    "assigntape._resolve",
+    "assigntape._branches",
+    "assigntape._refusals",
+    "assigntape._resuming",
+    "assigntape._threads",
+    "assigntape._serving",
     "assigntape._rules",
     # ``ops.convert_to_tensor`` while a tape is open (user code in a
     # tf.function calls it as TensorFlow's, which AutoGraph leaves alone).

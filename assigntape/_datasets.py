@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Set, Tuple
 
 import tensorflow as tf
 
-from assigntape import _dataset_graphs, _functions, _leases, _py_functions, _versions
+from assigntape import _branches, _dataset_graphs, _functions, _leases, _py_functions, _refusals, _registry, _versions
 from assigntape._tf import composite_tensor, dataset_ops, dtypes, executing_eagerly, iterator_ops, nest, ops
 
 __all__ = ["function_call", "multi_device_iterator", "next_element", "reduce_dataset", "save_dataset", "single_element"]
@@ -132,7 +132,7 @@ def _idle() -> bool:
     """No tape anywhere, and executing eagerly: nothing to refuse or note.
     (These hooks are always in place: a function traced before the first
     tape must note the writes its graph hides, see ``_guarded``.)"""
-    return not _versions._all_scopes and not _leases.closed_refs and executing_eagerly()
+    return not _registry._all_scopes and not _leases.closed_refs and executing_eagerly()
 
 
 def _run(writes: List[_functions.Write], where: str, wrapped: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -157,9 +157,9 @@ def _guarded(writes: List[_functions.Write], where: str, run: Callable[[], Any])
         passed = {id(w) for entry in getattr(_calls, "stack", ()) for _, _, found in entry for w in found}
         hidden = [w for w in writes if id(w) not in passed]
         _functions.note_hidden_writes(ops.get_default_graph(), hidden)
-        if not _versions._all_scopes and not _leases.closed_refs:
+        if not _registry._all_scopes and not _leases.closed_refs:
             return run()
-    found = _versions.call_context()
+    found = _branches.call_context()
     if not hidden and (found is None or found[0].key is None):
         # Only a dataset argument's writes (in a trace): refused here if a
         # tape is open in this graph; for a tape outside it, at each call.
@@ -293,7 +293,7 @@ def _probe_bodies(dataset: Any) -> None:
     (``_py_functions.probe_always``)."""
     if dataset is None or executing_eagerly():
         return
-    found = _versions.call_context()
+    found = _branches.call_context()
     if found is None or found[0].key is None:
         return
     for graph in _function_graphs(dataset, set()):
@@ -475,7 +475,7 @@ def made_iterator(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
         _ahead[instance] = writes
     except TypeError:
         return None  # not weakly referable
-    for scope in list(_versions._all_scopes):
+    for scope in list(_registry._all_scopes):
         note_ahead(scope)
     return None
 
@@ -495,5 +495,5 @@ def note_ahead(scope: Any) -> None:
                 "AssignAwareTape is open: the tape cannot see those writes, so a read here could "
                 "credit the version from before one, a silently wrong gradient. " + _AHEAD_FIXES
             )
-            _versions.note_unseen_writer(scope, own, op_type, refusal)
+            _refusals.note_unseen_writer(scope, own, op_type, refusal)
         del iterator

@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 import wrapt
 
-from assigntape import _versions
+from assigntape import _registry, _resolve, _versions
 from assigntape._record import Record, WriteRecord
 from assigntape._tf import UnconnectedGradients, context, nest, pywrap_tfe
 
@@ -216,7 +216,7 @@ def explain(tape: "AssignAwareTape", record: Record, target: Any, sources: Any, 
             name = f"sources[{path}]" if path else "sources"
             reports.append(_explain_tensor(record, name, g0))
         else:
-            watched = any(_versions.resolve(w) is var for w in tape.watched_variables())
+            watched = any(_resolve.resolve(w) is var for w in tape.watched_variables())
             reports.append(_explain_variable(record, watched, variable_name(var, s), var, per_version))
     first = [grads[lo] for lo, _ in spans]
     return Explanation(nest.pack_sequence_as(sources, first), reports)
@@ -337,7 +337,7 @@ def leave_tensorflow(wrapped: Callable[..., Any], instance: Any, args: Any, kwar
     A value the tape records that leaves TensorFlow carries no gradient from
     then on. Note where it left, so that ``explain()`` can name the place.
     """
-    scope = _versions.eager_scope()
+    scope = _registry.eager_scope()
     if scope is not None and pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop([instance]):
         where = _caller()
         for r in scope.records:

@@ -5,7 +5,7 @@ own versions. A Keras optimizer step in replica context all-reduces the
 gradients there (recorded on each replica's tape), then updates every
 component of every variable in a cross-replica update (``merge_call``), in
 the main thread while the replicas wait. Each component's update is run as
-its replica (``_versions.acting_for``): a version on that replica's tapes,
+its replica (``_threads.acting_for``): a version on that replica's tapes,
 whose gradient flows into that replica's arguments. The per-replica
 meta-gradients then sum to the single-device gradient of the summed
 objective.
@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import tensorflow as tf
 
-from assigntape import _versions
+from assigntape import _branches, _refusals, _registry, _threads, _versions
 from assigntape._errors import ControlFlowWriteError, UntrackedWriteError
 from assigntape._tf import (
     ALL_REDUCE_MERGE_FN,
@@ -70,13 +70,13 @@ def replica_thread_run(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     optimizer so): a second set of replica threads, while the first, whose
     tapes are open, wait in ``merge_call``. What each computes (the unscaled
     gradients, the learning rate, the update) is that replica's, so it runs
-    as that replica (``_versions.acting_for``): on its versions, recorded on
+    as that replica (``_threads.acting_for``): on its versions, recorded on
     its tapes, and its own ``merge_call`` updates act for it as any
     cross-replica update does. A thread in another graph than its replica's
     tape (a ``tf.cond`` built in ``merge_call``, compiled) runs plainly; its
     writes are then refused by ``distributed_update``.
     """
-    replicas = _versions.replica_scopes(instance.distribution, any_graph=True)
+    replicas = _threads.replica_scopes(instance.distribution, any_graph=True)
     scope = replicas.get(instance.replica_id)
     replica_context = None if scope is None else _waiting_replica_context(scope.thread)
     if scope is None or replica_context is None or scope.key is not (None if instance.in_eager else instance.graph):
@@ -93,7 +93,7 @@ def replica_thread_run(wrapped: Callable[..., Any], instance: Any, args: Any, kw
         # thread's summary state on the context, for the replica to restore.)
         distribute_lib._push_per_thread_mode(replica_context._thread_context)
         try:
-            with _versions.acting_for(its_scope, list(replicas.values())):
+            with _threads.acting_for(its_scope, list(replicas.values())):
                 return main_fn(*a, **k)
         finally:
             distribute_lib._pop_per_thread_mode()
@@ -105,7 +105,7 @@ def replica_thread_run(wrapped: Callable[..., Any], instance: Any, args: Any, kw
 def watched_as_replica(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``tape._variables_override``, TensorFlow's resolver of the variables a
     read or write watches (``distribute_lib.get_local_results_or_value_container``):
-    acting for a replica (``_versions.acting_for``), the variable's container,
+    acting for a replica (``_threads.acting_for``), the variable's container,
     as in the replica's own context.
 
     A cross-replica update runs in the main thread in cross-replica context,
@@ -116,7 +116,7 @@ def watched_as_replica(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     share a ``_unique_id``, so only the other replicas'). The container's
     ``handle`` there is the component's (the update's replica), so what the
     tape follows is the same."""
-    if not _versions.acting():
+    if not _threads.acting():
         return wrapped(*args, **kwargs)
     variable = args[0] if args else kwargs["variable"]
     return [distribute_lib.get_strategy().extended.value_container(variable)]
@@ -140,7 +140,7 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     while the replica threads wait in ``merge_call``), where a replica's tape
     cannot see it. An update of an ``aggregation=NONE`` variable, which is how
     a Keras optimizer applies the gradients it all-reduced in replica context,
-    is run component by component as its replica (``_versions.acting_for``):
+    is run component by component as its replica (``_threads.acting_for``):
     each component's write is a version on that replica's tapes, its value
     computed from that replica's (recorded) arguments. Any other update is
     refused while a replica's tape is open, or, if every such tape passed
@@ -151,15 +151,15 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     strategy = instance._container_strategy()
     if not (
         _versions.differentiable(var)
-        and _versions.open_elsewhere()
+        and _threads.open_elsewhere()
         # Made on behalf of replicas with a tape open: some of this strategy's
         # replica threads are paused in merge_call (in whatever graph). Else it
         # is this thread's own write (a Keras step with no strategy beside
         # another thread's tape), which the write ops follow or refuse.
-        and _versions.replica_scopes(strategy, any_graph=True)
+        and _threads.replica_scopes(strategy, any_graph=True)
     ):
         return wrapped(*args, **kwargs)
-    replicas = _versions.replica_scopes(strategy)
+    replicas = _threads.replica_scopes(strategy)
     components = getattr(var, "values", ())
     aggregation = getattr(var, "aggregation", None)
     if (
@@ -181,12 +181,12 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
         if held:
             merging = list(replicas.values())
             for replica in sorted(replicas):
-                with _versions.acting_for(replicas[replica], merging):
-                    _versions.refuse_foreign_inputs(components[replica], "a cross-replica update", held)
+                with _threads.acting_for(replicas[replica], merging):
+                    _threads.refuse_foreign_inputs(components[replica], "a cross-replica update", held)
 
         def as_its_replica(component: Any, *a: Any, **k: Any) -> Any:
             replica = distribute_lib.get_update_replica_id()
-            with _versions.acting_for(replicas[replica], list(replicas.values())):
+            with _threads.acting_for(replicas[replica], list(replicas.values())):
                 return fn(component, *a, **k)
 
         arguments["fn"] = as_its_replica
@@ -199,14 +199,14 @@ def distributed_update(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     if not components or sorted(replicas) != list(range(len(components))):
         # No way to name each replica's component: nothing to cut.
         raise UntrackedWriteError(message)
-    _versions.refuse_or_cut(scopes, var, "a cross-replica update", message)
+    _refusals.refuse_or_cut(scopes, var, "a cross-replica update", message)
     result = wrapped(*args, **kwargs)
     # untracked_writes="cut" on every tape: each replica's component gets a
     # new version with no gradient path, made as that replica, after the update.
     after = None if context.executing_eagerly() else _grouped(result)
     for replica, scope in zip(sorted(replicas), scopes):
-        with _versions.acting_for(scope, scopes):
-            _versions.cut([scope], components[replica], "a cross-replica update", after)
+        with _threads.acting_for(scope, scopes):
+            _refusals.cut([scope], components[replica], "a cross-replica update", after)
     return result
 
 
@@ -263,7 +263,7 @@ def non_slot_update(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     each device in turn, in merge_call. Each device's update runs as its
     replica, like a component's in ``distributed_update``, with the
     optimizer's coefficients computed again as that replica."""
-    replicas = _versions.replica_scopes(instance._container_strategy()) if _versions.open_elsewhere() else {}
+    replicas = _threads.replica_scopes(instance._container_strategy()) if _threads.open_elsewhere() else {}
     if not replicas:
         return wrapped(*args, **kwargs)
     arguments = bind(("colocate_with", "fn", "args", "kwargs", "group"), args, kwargs)
@@ -276,7 +276,7 @@ def non_slot_update(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
                 "A non-slot update (update_non_slot) on a device no replica with an open "
                 "AssignAwareTape runs on: it cannot be made a version of any replica's tape."
             )
-        with _versions.acting_for(replicas[replica], merging):
+        with _threads.acting_for(replicas[replica], merging):
             if getattr(fn, "__code__", None) is V1_OPTIMIZER_FINISH:
                 a[0]._prepare()  # finish(optimizer, update_ops)
             return fn(*a, **k)
@@ -338,7 +338,7 @@ def cross_replica_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, 
     too, under a custom gradient of its own that the tapes follow already: left
     alone. A reduction to one device, or of ``IndexedSlices``, is refused.
     """
-    replicas = _versions.replica_scopes(instance._container_strategy()) if _versions.open_elsewhere() else {}
+    replicas = _threads.replica_scopes(instance._container_strategy()) if _threads.open_elsewhere() else {}
     if not replicas:
         return wrapped(*args, **kwargs)
     batched = wrapped.__name__ == "batch_reduce_to"
@@ -376,7 +376,7 @@ def cross_replica_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, 
             )
         new = []
         for replica, (part, component) in enumerate(zip(parts, components)):
-            with _versions.acting_for(replicas[replica], merging):
+            with _threads.acting_for(replicas[replica], merging):
                 if isinstance(part, indexed_slices.IndexedSlices):
                     new.append(_all_gathered(parts, replica, component, reduce_op))
                 else:
@@ -405,7 +405,7 @@ def _recorded_parts(value: Any, replicas: Dict[int, Any]) -> List[Any]:
         return []
     for replica, part in enumerate(parts):
         tensors = [t for t in nest.flatten(part, expand_composites=True) if isinstance(t, tensor_lib.Tensor)]
-        if tensors and _versions.recorded_by(replicas[replica], tensors):
+        if tensors and _threads.recorded_by(replicas[replica], tensors):
             return list(parts)
     return []
 
@@ -499,7 +499,7 @@ def aggregated_write(wrapped: Callable[..., Any], instance: Any, args: Any, kwar
     if (
         aggregation == "NONE"
         or not _versions.differentiable(var)
-        or _versions.call_context() is None  # no tape open in this replica
+        or _branches.call_context() is None  # no tape open in this replica
         or not isinstance(value, tensor_lib.Tensor)  # a number, IndexedSlices: TensorFlow's path
     ):
         return wrapped(*args, **kwargs)
@@ -522,7 +522,7 @@ def replica_all_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     tangent (plain TensorFlow's jvp is 0 where eager gives the value), so
     every jvp through it would miss the all-reduced value's: refused. Eagerly
     it is right; with one replica (no strategy) it is the value itself."""
-    if executing_eagerly() or not _versions.open_here() or getattr(instance, "num_replicas_in_sync", 1) <= 1:
+    if executing_eagerly() or not _registry.open_here() or getattr(instance, "num_replicas_in_sync", 1) <= 1:
         return wrapped(*args, **kwargs)
     value = kwargs.get("value", args[1] if len(args) > 1 else None)
     tensors = [t for t in nest.flatten(value, expand_composites=True) if isinstance(t, tensor_lib.Tensor)]

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from assigntape import _patches, _versions
+from assigntape import _patches, _resolve, _resuming, _versions
 from assigntape._tape import AssignAwareTape
-from assigntape._tf import forwardprop, nest, pywrap_tfe
+from assigntape._tf import forwardprop, nest
 
 __all__ = ["ForwardAccumulator"]
 
@@ -32,7 +32,7 @@ class _ForwardOnlyTape(AssignAwareTape):
 
 
 def _unwrapped(primal: Any) -> Any:
-    var = _versions.resolve(primal)
+    var = _resolve.resolve(primal)
     return primal if var is None else var
 
 
@@ -112,16 +112,11 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
         pending = [own for own, closed_at_write in list(scope.dirty.values()) if record in closed_at_write]
         if not pending:
             return
-        # Set aside and put back on top, where __enter__ put it: the order of
-        # nested accumulators is kept.
-        pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(self._accumulator)
-        try:
+        with _resuming.set_aside(self):
             for own in pending:
                 var = _versions.variable_of_handle(own)
                 if var is not None:
-                    _versions.cut_on_first_read(scope, var, own)
-        finally:
-            pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(self._accumulator)
+                    _resuming.cut_on_first_read(scope, var, own)
 
     def __exit__(self, typ: Any, value: Any, traceback: Any) -> None:
         try:

@@ -18,7 +18,7 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from assigntape import _dataset_graphs, _rules, _versions
+from assigntape import _branches, _dataset_graphs, _refusals, _registry, _resuming, _rules, _threads, _versions
 from assigntape._errors import ControlFlowWriteError
 from assigntape._tf import (
     Function,
@@ -192,13 +192,13 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
 
     A function keeps the handles it captured when it was traced: the variables'
     own (a function traced inside a tape's graph captures them too, see
-    ``_versions._enclosing_scope``). Map each to the variable's current
+    ``_registry._enclosing_scope``). Map each to the variable's current
     version, so that the function reads it and the gradient reaches it. A
     function that writes a variable is refused (or, eagerly, cut): its writes
     happen inside its graph, out of the tape's sight.
     """
-    found = _versions.call_context()
-    if found is None and not (_versions.closed_tapes or _versions.any_scopes()):
+    found = _branches.call_context()
+    if found is None and not (_resuming.closed_tapes or _registry.any_scopes()):
         return wrapped(*args, **kwargs)
     arguments = bind(("tensor_inputs", "captured_inputs"), args, kwargs)
     tensor_inputs = list(arguments["tensor_inputs"])
@@ -213,7 +213,7 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
         # A function reads its captures directly, not through v.handle.
         for h in captured_in:
             if id(h) in scope.unnamed:
-                _versions.refuse_unnamed(scope, _variable_behind(instance, h, scope), h)
+                _refusals.refuse_unnamed(scope, _variable_behind(instance, h, scope), h)
     if scope.dirty:
         # A variable written while this tape was closed, first read here (the
         # function reads its capture, not v.handle): its version now.
@@ -221,9 +221,9 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
             if id(h) in scope.dirty:
                 var = _variable_behind(instance, h, scope)
                 if var is not None:
-                    _versions.cut_on_first_read(scope, var, h)
+                    _resuming.cut_on_first_read(scope, var, h)
     captured = [
-        h if v is None else _versions.version_in(scope, branch, v)
+        h if v is None else _branches.version_in(scope, branch, v)
         for h, v in ((h, scope.canonical.get(id(h))) for h in captured_in)
     ]
     found_writes = function_writes(instance, tensor_inputs + captured_in)
@@ -273,7 +273,7 @@ def inline(wrapped: Callable[..., Any], function: Any, args: Any, kwargs: Any) -
     not leave it. Such a function is traced once as itself first, to find its
     writes: its Python side effects then happen twice on its first trace. It
     loses its own ``jit_compile`` (the caller's holds)."""
-    if executing_eagerly() or not _versions.any_scopes() or not isinstance(function, Function):
+    if executing_eagerly() or not _registry.any_scopes() or not isinstance(function, Function):
         return wrapped(*args, **kwargs)
     stack = _calls.__dict__.setdefault("graphs", [])
     stack.append(ops.get_default_graph())
@@ -411,7 +411,7 @@ def refuse_writes(scope: Any, writes: List[Tuple[Any, str]], context: str, eager
             if scope.records
             else ("a plain tf.GradientTape or ForwardAccumulator that recorded an AssignAwareTape's writes is open")
         )
-        _versions.refuse_or_cut(
+        _refusals.refuse_or_cut(
             [scope],
             var,
             context,
@@ -425,7 +425,7 @@ def cut_writes(scope: Any, writes: List[Tuple[Any, str]], context: str) -> None:
     """After ``context`` ran writes ``refuse_writes`` let through: each a new
     version with no gradient path."""
     for var, _ in writes:
-        _versions.cut([scope], var, context)
+        _refusals.cut([scope], var, context)
 
 
 def outside_writes(writes: List[Write], context: str) -> None:
@@ -435,6 +435,6 @@ def outside_writes(writes: List[Write], context: str) -> None:
     which of its variables ``context`` writes."""
     known = [w for w in writes if w[0] is not None]  # (not a dataset's known by its variant only)
     for handle, op_type, _ in known:
-        _versions.refuse_other_thread(handle, None, f"{op_type} in {context}")
+        _threads.refuse_other_thread(handle, None, f"{op_type} in {context}")
     for handle, _, _ in known:
-        _versions.note_write_while_closed(handle)
+        _resuming.note_write_while_closed(handle)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Dict, List, Set
 
-from assigntape import _versions
+from assigntape import _branches
 from assigntape._errors import ControlFlowWriteError
 from assigntape._tf import executing_eagerly, nest, ops, resource_variable_ops
 
@@ -57,7 +57,7 @@ def gradients(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any
         graph = getattr(graph, "outer_graph", None)
     if not written:
         return wrapped(*args, **kwargs)
-    found = _versions.call_context()
+    found = _branches.call_context()
     if found is not None and found[0].key is not None:
         return wrapped(*args, **kwargs)  # inside a tape: ``w`` names its latest version
     xs = kwargs.get("xs", args[1] if len(args) > 1 else None)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Sequence
 
-from assigntape import _versions
+from assigntape import _registry
 from assigntape._tf import array_ops, forwardprop, math_ops, pywrap_tfe
 
 __all__ = ["register"]
@@ -72,7 +72,7 @@ _OURS: Dict[str, Callable[..., List[Any]]] = {"Sqrt": _sqrt_jvp, "SqrtGrad": _sq
 def _dispatch(op_name: str, attr_tuple: Any, inputs: Any, outputs: Any, tangents: Any, use_batch: bool = False) -> Any:
     """What TensorFlow's accumulators call for each op they see."""
     ours = _OURS.get(op_name)
-    if ours is None or not _versions.open_here():
+    if ours is None or not _registry.open_here():
         return _TENSORFLOWS(op_name, attr_tuple, inputs, outputs, tangents, use_batch)
     return ours(attr_tuple, inputs, outputs, tangents)
 

@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from assigntape import (
     _control_flow,
+    _control_gradients,
     _datasets,
     _diagnostics,
     _distribute,
@@ -44,11 +45,12 @@ from assigntape import (
     _leases,
     _plain_tapes,
     _py_functions,
+    _registry,
     _rules,
     _saving,
+    _serving,
     _short_paths,
     _signals,
-    _versions,
     _writes,
 )
 from assigntape._tf import (
@@ -241,8 +243,8 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # a handle fetched before a tape opened names its variable (_versions).
         # The two classes that make variables, not their base: every ``assign``
         # makes an ``_UnreadVariable`` through the base's ``__init__``.
-        (resource_variable_ops.ResourceVariable, "__init__", _versions.constructed),
-        (resource_variable_ops.UninitializedVariable, "__init__", _versions.constructed),
+        (resource_variable_ops.ResourceVariable, "__init__", _serving.constructed),
+        (resource_variable_ops.UninitializedVariable, "__init__", _serving.constructed),
         # Calls of traced functions from an eager tape (_functions).
         (ConcreteFunction, "_call_flat", _functions.call_function),
         # tf.vectorized_map's function, named in refusals (_functions).
@@ -263,14 +265,14 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (Function, "_call", _datasets.function_call),
         (ConcreteFunction, "__call__", _datasets.function_call),
         # Reads of variables written through handles no tape could name (_versions).
-        (eager_tape, "variable_accessed", _versions.accessed),
+        (eager_tape, "variable_accessed", _serving.accessed),
         # An op that failed in C++ (every generated op wrapper raises through
         # it): where an error the handle descriptor, which TensorFlow's C++
-        # code calls, could not raise is raised (_versions.defer).
-        (ops, "raise_from_not_ok_status", _versions.not_ok_status),
+        # code calls, could not raise is raised (_serving.defer).
+        (ops, "raise_from_not_ok_status", _serving.not_ok_status),
         # A variable made in a tf.function's first trace initializes itself
         # with a write in the graph, which is not the tape's (_versions).
-        (UnliftedInitializerVariable, "__init__", _versions.constructing),
+        (UnliftedInitializerVariable, "__init__", _serving.constructing),
         # Values leaving TensorFlow, for explain() (_diagnostics).
         (ops._EagerTensorBase, "_numpy", _diagnostics.leave_tensorflow),
         # Cross-replica updates (_distribute). ``update`` is defined once, on the
@@ -309,11 +311,11 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (cond_v2, "indexed_case", _control_flow.indexed_case),
         (while_v2, "while_loop", _control_flow.while_loop),
         # A cond's or loop's gradient after tf.gradients went through it.
-        (cond_v2, "_grad_fn", _control_flow.branch_gradient),
-        (while_v2, "_create_grad_func", _control_flow.loop_gradient),
+        (cond_v2, "_grad_fn", _control_gradients.branch_gradient),
+        (while_v2, "_create_grad_func", _control_gradients.loop_gradient),
         # Which gradient functions a cond, case, loop or function call in a
         # graph prepares; TensorFlow calls it through the module attribute.
-        (gradients_util, "PossibleTapeGradientTypes", _control_flow.possible_gradient_types),
+        (gradients_util, "PossibleTapeGradientTypes", _control_gradients.possible_gradient_types),
         # tf.gradients after the tape that wrote a variable exited (_graph_gradients).
         (gradients_util, "_GradientsHelper", _graph_gradients.gradients),
         # py_function bodies, which a tape's graph runs later (_py_functions).
@@ -330,12 +332,12 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function``, but the original straight away while no tape is open in
     any thread and none is closed but alive: the patches stay installed between
     tapes, and code outside every tape must run as plain TensorFlow."""
-    scopes, closed = _versions._all_scopes, _leases.closed_refs
+    scopes, closed = _registry._all_scopes, _leases.closed_refs
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         if not scopes and not closed:
-            if _versions._switched:
-                _versions.idle()  # may take this and the other switches off
+            if _registry._switched:
+                _registry.idle()  # may take this and the other switches off
             return wrapped(*args, **kwargs)
         return function(wrapped, instance, args, kwargs)
 
@@ -347,7 +349,7 @@ def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:
 # one may open inside them (_plain_tapes); every variable's handle is noted as
 # it is made; and a non-persistent tape asked for its gradient is closed and
 # done, yet its gradient may go through a cond's or loop's, which must know
-# whether a tape recorded an earlier one (_control_flow.branch_gradient); and
+# whether a tape recorded an earlier one (_control_gradients.branch_gradient); and
 # a module is saved after every tape is gone (_saving); and a function may be
 # traced before the first tape around a dataset that writes (_datasets), and
 # a py_function traced then may write when a tape is open (_py_functions).
@@ -364,9 +366,9 @@ _ALWAYS_ON = (
     _py_functions.py_function,
     _datasets.multi_device_iterator,
     _datasets.single_element,
-    _control_flow.branch_gradient,
-    _control_flow.loop_gradient,
-    _versions.constructed,
+    _control_gradients.branch_gradient,
+    _control_gradients.loop_gradient,
+    _serving.constructed,
     _plain_tapes.entered,
     _plain_tapes.exited,
     _plain_tapes.jacobian,
@@ -391,7 +393,7 @@ _METHODS = {_plain_tapes.entered: _plain_tapes.enter_method, _plain_tapes.exited
 
 # Not dormant, yet switched: a plain tape's gradient has something to map
 # only beside a tape of ours, or while one that ran beside it keeps versions
-# (which keeps the switches on: ``_versions.idle``). Every Keras train step
+# (which keeps the switches on: ``_registry.idle``). Every Keras train step
 # asks one, so TensorFlow's own is in place otherwise.
 _SWITCHED = (_plain_tapes.gradient,)
 
@@ -400,10 +402,10 @@ _SWITCHED = (_plain_tapes.gradient,)
 _INSTALLED_ON = (_signals.setsignal, _signals.getsignal)
 
 # In place only while a tape has seen a write through a handle no tape could
-# name: every variable read calls them (``_versions.read_checks``).
-_READ_CHECKS = (_versions.accessed,)
+# name: every variable read calls them (``_registry.read_checks``).
+_READ_CHECKS = (_serving.accessed,)
 
-# In place only while some thread acts for a replica (``_versions.acting_checks``):
+# In place only while some thread acts for a replica (``_registry.acting_checks``):
 # every variable read calls them too.
 _ACTING_CHECKS = (_distribute.watched_as_replica,)
 
@@ -436,15 +438,15 @@ def _put(owner: Any, name: str, function: Callable[..., Any]) -> None:
     _saved.append(place)
     if function in _READ_CHECKS:
         # Put in place (and taken off) by ``_versions``, when there is something to check.
-        _versions.read_checks.append(place)
+        _registry.read_checks.append(place)
         return
     if function in _ACTING_CHECKS:
-        # Put in place (and taken off) by ``_versions.acting_for``.
-        _versions.acting_checks.append(place)
+        # Put in place (and taken off) by ``_threads.acting_for``.
+        _registry.acting_checks.append(place)
         return
     place.put(True)
     if function not in _ALWAYS_ON and function not in _INSTALLED_ON:
-        _versions.switches.append(place.put)
+        _registry.switches.append(place.put)
 
 
 def _install() -> None:
@@ -455,13 +457,13 @@ def _install() -> None:
     _serve_short_paths()
     # Before the handle descriptor goes on: no signal handler may raise in it.
     _signals.guard_all()
-    _versions.serve_handles(True)
+    _registry.serve_handles(True)
     _jvp.register(True)
     for group in _groups:
         group.put(True)
         if not hasattr(group.owner, "_fastdict_insert"):
             # (tf.compat.v1.raw_ops, slow to set, keeps its dormant wrappers.)
-            _versions.switches.append(group.put)
+            _registry.switches.append(group.put)
     global _installed
     _installed = True
 
@@ -472,7 +474,7 @@ def _serve_short_paths() -> None:
     handle descriptor: on the class only while a tape is open."""
     cls = resource_variable_ops.ResourceVariable
     for name in _short_paths.METHODS:
-        if any(o is cls and n == name for o, n, _, _ in _versions.served):
+        if any(o is cls and n == name for o, n, _, _ in _registry.served):
             continue  # served already (installed before, then uninstalled)
         original = vars(cls).get(name)  # TensorFlow's own there, or None: the base class's
         method = getattr(cls, name)
@@ -480,10 +482,10 @@ def _serve_short_paths() -> None:
             # Someone wrapped it (before the first tape): theirs must run.
             continue
         short = _short_paths.value_method(method) if name == "value" else _short_paths.write_method(name, method)
-        _versions.served.append((cls, name, short, original))
+        _registry.served.append((cls, name, short, original))
     conversion = vars(ops)["convert_to_tensor"]
-    if _short_paths.is_tensorflows_conversion(conversion) and not any(o is ops for o, _, _, _ in _versions.served):
-        _versions.served.append((ops, "convert_to_tensor", _short_paths.convert_function(conversion), conversion))
+    if _short_paths.is_tensorflows_conversion(conversion) and not any(o is ops for o, _, _, _ in _registry.served):
+        _registry.served.append((ops, "convert_to_tensor", _short_paths.convert_function(conversion), conversion))
 
 
 def follow_plain_tapes() -> None:
@@ -507,7 +509,7 @@ def refuse_unfollowed_recorders() -> None:
     be followed. Refused, rather than its gradient silently wrong."""
     if _installed or pywrap_tfe.TFE_Py_TapeSetIsEmpty():
         return
-    if any(ref() is not None for ref, _ in _versions.open_plain()):
+    if any(ref() is not None for ref, _ in _registry.open_plain()):
         return  # some are followed: the others, if any, cannot be told apart
     follow_plain_tapes()  # tapes entered from now on are followed
     raise RuntimeError(
@@ -520,7 +522,7 @@ def refuse_unfollowed_recorders() -> None:
 
 
 def _uninstall() -> None:
-    _versions.serve_handles(False)
+    _registry.serve_handles(False)
     _signals.unguard_all()
     _jvp.register(False)
     # Only what is still ours: a patch made around ours since stays, ours
@@ -535,7 +537,7 @@ def _uninstall() -> None:
 def acquire(holder: Any = None) -> None:
     """``holder`` (an open tape's record) needs the patches: the first
     installs them. With no holder, only installs them."""
-    # (One line: see _versions._list.)
+    # (One line: see _registry._list.)
     with _leases.lock: _acquire_locked(holder)  # noqa: E701  # fmt: skip
 
 

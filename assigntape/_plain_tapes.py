@@ -28,9 +28,17 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
-from assigntape import _control_flow, _leases, _versions
+from assigntape import (
+    _branch_writes,
+    _branches,
+    _leases,
+    _registry,
+    _resolve,
+    _resuming,
+    _serving,
+    _versions,
+)
 from assigntape._errors import ControlFlowWriteError
-from assigntape._record import Record
 from assigntape._tf import (
     ControlFlowFuncGraph,
     UnconnectedGradients,
@@ -93,11 +101,11 @@ def _is_plain(instance: Any) -> bool:
 def _snapshot(recorder: Any = None) -> Optional[Dict[str, Any]]:
     """The versions current here, as a cond branch or loop body sees them
     (and, for ``recorder``, those it goes on from, entered again)."""
-    found = _versions.call_context()
+    found = _branches.call_context()
     if found is None:
         return None
     scope, branch = found
-    snapshot = scope.current_versions(recorder)
+    snapshot = _resuming.versions_for(scope, recorder)
     chain = []
     while branch is not None:
         chain.append(branch)
@@ -107,7 +115,7 @@ def _snapshot(recorder: Any = None) -> Optional[Dict[str, Any]]:
     return snapshot
 
 
-_open_plain = _versions.open_plain
+_open_plain = _registry.open_plain
 
 
 def _quiet() -> bool:
@@ -117,7 +125,7 @@ def _quiet() -> bool:
     return not _all_scopes and not _closed_records
 
 
-_all_scopes = _versions._all_scopes
+_all_scopes = _registry._all_scopes
 _closed_records = _leases.closed_refs
 
 
@@ -127,7 +135,7 @@ def enter_method(original: Callable[..., Any]) -> Callable[..., Any]:
     no tape of ours about) is written out here, in the method's one frame:
     its Python runs between TensorFlow's eager ops, where each line costs
     several times what it does in a loop of its own."""
-    tls, ref, key = _versions._tls, weakref.ref, _versions.current_key
+    tls, ref, key = _registry._tls, weakref.ref, _registry.current_key
 
     def __enter__(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
@@ -153,7 +161,7 @@ def enter_method(original: Callable[..., Any]) -> Callable[..., Any]:
 def _undo_entry(instance: Any) -> None:
     """After an interrupted ``__enter__`` of a plain tape: it is not open."""
     _forget_open(instance)
-    _versions.release_holder(instance)
+    _resuming.release_holder(instance)
     if getattr(instance, "_recording", False):
         instance._pop_tape()
 
@@ -161,7 +169,7 @@ def _undo_entry(instance: Any) -> None:
 def exit_method(original: Callable[..., Any]) -> Callable[..., Any]:
     """What goes in place of ``GradientTape.__exit__``: TensorFlow's, then
     ``exited``, with the same case written out as in ``enter_method``."""
-    tls = _versions._tls
+    tls = _registry._tls
 
     def __exit__(self: Any, *args: Any, **kwargs: Any) -> Any:
         # Exiting always finishes: after an exception at any point of it (a
@@ -194,7 +202,7 @@ def entered(instance: Any) -> None:
     if not _is_plain(instance):
         return  # its own __enter__ did the work
     if _quiet():
-        _open_plain().append((weakref.ref(instance), _versions.current_key()))
+        _open_plain().append((weakref.ref(instance), _registry.current_key()))
     else:
         _opened(instance)
         if not hasattr(instance, _START):
@@ -203,7 +211,7 @@ def entered(instance: Any) -> None:
                 setattr(instance, _START, snapshot)
                 lease(instance)
         # Inside a compiled body, after the snapshot: see rebase_for_recorder.
-        rebased = _control_flow.rebase_for_recorder(instance)
+        rebased = _branch_writes.rebase_for_recorder(instance)
         if rebased and not instance._watch_accessed_variables:
             # Recorded for it, but it watches only what it is told to.
             instance.__dict__[_REBASED] = set(rebased)
@@ -228,7 +236,7 @@ def reset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) ->
     version at the reset from now on, as it would for a tape entered there."""
     result = wrapped(*args, **kwargs)
     if _is_plain(instance) and getattr(instance, "_recording", False):
-        _versions.forget_closed_writes(instance)
+        _resuming.forget_closed_writes(instance)
         snapshot = _snapshot(instance)
         if snapshot is not None:
             setattr(instance, _START, snapshot)
@@ -273,21 +281,19 @@ def accumulator_jvp(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
 def _opened(instance: Any) -> None:
     # The graph it is open in: only an AssignAwareTape closing in the same
     # graph (or eagerly, both eager) wrote under it.
-    key = _versions.current_key()
+    key = _registry.current_key()
     _open_plain().append((weakref.ref(instance), key))
     held = instance.__dict__.pop(_HELD, None)
     if held is not None:
         held_in, versions, record = held
-        _versions.closed_tapes.discard(record)
+        _resuming.closed_tapes.discard(record)
         if not hasattr(instance, _START):
             # Entered first with no versions about: a variable source means
             # its own handle, not what it is resumed from (``enter`` would
             # otherwise take the versions current at this re-entry).
             setattr(instance, _START, {})
         if held_in is key:
-            # (A tape pauses through its record; an accumulator cannot.)
-            resuming = record if hasattr(instance, "_pop_tape") else None
-            _versions.resume_holder(instance, versions, record.written_while_closed, resuming)
+            _resuming.resume_holder(instance, versions, record.written_while_closed, record)
 
 
 def _still_open(instance: Any) -> bool:
@@ -307,32 +313,32 @@ def _forget_open(instance: Any) -> None:
 def open_anywhere() -> int:
     """How many plain tapes and forward accumulators are open (entered and not
     exited) in any thread."""
-    return sum(ref() is not None for opened in list(_versions._plain_by_thread.values()) for ref, _ in list(opened))
+    return sum(ref() is not None for opened in list(_registry._plain_by_thread.values()) for ref, _ in list(opened))
 
 
 def _closed(instance: Any, ends: Optional[Dict[str, Any]] = None) -> None:
     """It exits: ``ends``, for a plain tape or accumulator exiting where a
     tape of ours is about, the versions current now."""
     _forget_open(instance)
-    held = _versions.held_by(instance)
-    unseen = _versions.unseen_writes(instance) if held or ends is not None else []
-    _versions.release_holder(instance)
+    held = _resuming.held_by(instance)
+    unseen = _resuming.unseen_writes(instance) if held or ends is not None else []
+    _resuming.release_holder(instance)
     if not held and ends is not None:
         # Exited inside a tape of ours: if entered again after that one closed,
         # it goes on from the versions it last saw, as it would had the other
         # tape stayed open (read through the variable's own handle instead,
         # a variable it wrote would lose its gradient path, and its source
         # version would not be the one read).
-        held = _versions.owned(ends)
+        held = _resuming.owned(ends)
     if held or ends is not None:
         # It may be entered again (a persistent tape, an accumulator): it then
         # goes on from the versions it held, so note the writes made meanwhile,
-        # as for a closed AssignAwareTape (``_versions.note_write_while_closed``).
-        record = Record(instance)
+        # as for a closed AssignAwareTape (``_resuming.note_write_while_closed``).
+        record = _resuming.recorder_record(instance)
         for own in unseen:
             record.written_while_closed[id(own)] = own
-        setattr(instance, _HELD, (_versions.current_key(), held, record))
-        _versions.hold_closed(record)
+        setattr(instance, _HELD, (_registry.current_key(), held, record))
+        _registry.hold_closed(record)
         lease(instance)
 
 
@@ -386,7 +392,7 @@ def note_closing() -> List[Any]:
     snapshot = _snapshot()
     if snapshot is None:
         return []
-    key = _versions.current_key()
+    key = _registry.current_key()
     around = _graphs_around(key)
     holders = []
     for ref, opened_in in opened:
@@ -411,17 +417,17 @@ def lease(instance: Any) -> None:
 
 
 def _map(x: Any, versions: Optional[Dict[str, Any]], open_now: bool, recorder: Any = None) -> Any:
-    var = _versions.gradient_variable(x)
+    var = _resolve.gradient_variable(x)
     if var is None:
         return x
     if open_now:
-        found = _versions.call_context()
+        found = _branches.call_context()
         if found is not None:
             scope, branch = found
             if branch is None and recorder is not None and var._unique_id not in scope.current:
                 # Entered again, not read since: what it goes on from.
-                return _versions.latest_unread(scope, var, recorder)
-            return _versions.version_in(scope, branch, var)
+                return _resuming.latest_unread(scope, var, recorder)
+            return _branches.version_in(scope, branch, var)
     handle = versions.get(var._unique_id) if versions else None
     return _versions.canonical_handle(var) if handle is None else handle
 
@@ -476,7 +482,7 @@ def _asks_tensorflow(instance: Any, args: Any, kwargs: Any) -> bool:
     """Whether ``gradient`` is TensorFlow's for this tape and question: the tape
     is one of ours (which maps its own question), or a plain tape never beside
     one of ours, or one opened with no version about and none made since,
-    asked a question with nothing to map (``_versions.plain_question``): each
+    asked a question with nothing to map (``_resolve.plain_question``): each
     variable source means its own handle, which TensorFlow takes from it."""
     if not _is_plain(instance):
         return True
@@ -485,20 +491,20 @@ def _asks_tensorflow(instance: Any, args: Any, kwargs: Any) -> bool:
     if not _all_scopes and start is None and notes.get(_END) is None and notes.get(_LATEST) is None:
         # (No _end(instance): a call fewer.) This follower is switched with the
         # dormant patches: when none has been needed for a while, TensorFlow's
-        # own method goes back in its place (``_versions.idle``).
-        if _versions._switched:
-            _versions.idle()
+        # own method goes back in its place (``_registry.idle``).
+        if _registry._switched:
+            _registry.idle()
         return True
     if start or _REBASED in notes:
         return False
     arguments = bind(_GRADIENT_PARAMS, args, kwargs)
     return (
-        _versions.plain_question(
+        _resolve.plain_question(
             arguments.get("target"),
             arguments.get("sources"),
             arguments.get("unconnected_gradients", UnconnectedGradients.NONE),
         )
-        and _versions.serves_own_handles()
+        and _serving.serves_own_handles()
     )
 
 
@@ -515,7 +521,7 @@ def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any)
         # while it is closed goes now, not when the tape is garbage: until
         # then every dormant patch would take its slow path (a Keras train
         # step inside a tape of ours exits its tape, asks it, then writes).
-        _versions.closed_tapes.discard(notes.pop(_HELD)[2])
+        _resuming.closed_tapes.discard(notes.pop(_HELD)[2])
     return grads
 
 
@@ -530,11 +536,9 @@ def _mapped_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwar
     if rebased:
         # Their versions at its entry are watched for it; a variable it was
         # never told to watch gets what TensorFlow gives: no gradient.
-        watched = {
-            v._unique_id for v in map(_versions.gradient_variable, instance.watched_variables()) if v is not None
-        }
+        watched = {v._unique_id for v in map(_resolve.gradient_variable, instance.watched_variables()) if v is not None}
         for i, s in enumerate(flat):
-            var = _versions.gradient_variable(s)
+            var = _resolve.gradient_variable(s)
             if var is not None and var._unique_id in rebased and var._unique_id not in watched:
                 mapped[i] = array_ops.identity(mapped[i])  # a tensor nothing depends on
     arguments["sources"] = mapped
@@ -546,15 +550,15 @@ def _mapped_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwar
         arguments["unconnected_gradients"] = UnconnectedGradients.NONE
     grads = wrapped(**arguments)
     if zero:
-        grads = [_versions.zeros_like_source(s, m) if g is None else g for g, s, m in zip(grads, flat, mapped)]
+        grads = [_resolve.zeros_like_source(s, m) if g is None else g for g, s, m in zip(grads, flat, mapped)]
     return nest.pack_sequence_as(sources, grads)
 
 
 def watched_variables(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``GradientTape.watched_variables``: each variable once, in
-    TensorFlow's order (``_versions.watched_in_order``)."""
+    TensorFlow's order (``_resolve.watched_in_order``)."""
     found = wrapped(*args, **kwargs)
-    listed = _versions.watched_in_order(found)
+    listed = _resolve.watched_in_order(found)
     same = len(listed) == len(found) and all(a is b for a, b in zip(listed, found))
     return found if same else listed  # (TensorFlow's own tuple where nothing changed)
 
@@ -565,7 +569,7 @@ def jacobian(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any)
     reshape the target, which would read the variable's own handle: read the
     version here, on the tape."""
     target = args[0] if args else kwargs.get("target")
-    var = _versions.resolve(target) if _is_plain(instance) else None
+    var = _resolve.resolve(target) if _is_plain(instance) else None
     if var is None:
         return wrapped(*args, **kwargs)
     handle = _map(var, _end(instance), _still_open(instance), instance)

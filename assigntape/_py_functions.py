@@ -22,7 +22,7 @@ import functools
 import weakref
 from typing import Any, Callable, Optional
 
-from assigntape import _versions
+from assigntape import _branches, _registry
 from assigntape._errors import UntrackedWriteError
 from assigntape._tf import executing_eagerly, nest
 from assigntape._wrapping import bind
@@ -30,6 +30,11 @@ from assigntape._wrapping import bind
 __all__ = ["py_function", "refusal_in"]
 
 _PARAMS = ("func", "inp", "Tout", "stateful", "use_eager_py_func", "is_grad_func", "name")
+
+# The tape class the probe opens (``AssignAwareTape``), set by ``_tape`` as it
+# is imported: the tape needs the patches, which need this module, so this
+# module cannot import the tape.
+probe_tape: Any = None
 
 
 def py_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -41,7 +46,7 @@ def py_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: A
     # Traced in a tape's own graph, the graph only ever runs for that tape:
     # probe every run. Traced for an eager tape's call, the function may run
     # later with no tape about: probe only while one is open.
-    found = _versions.call_context()
+    found = _branches.call_context()
     always = _Always(found is not None and found[0].key is not None)
     arguments["func"] = _probed(arguments["func"], always)
     result = wrapped(**arguments)
@@ -85,12 +90,10 @@ def _probed(func: Callable[..., Any], always: _Always) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def run(*args: Any) -> Any:
-        from assigntape._tape import AssignAwareTape  # (the tape needs the patches, which need this)
-
-        if not always.on and not _versions.any_scopes():
+        if not always.on and not _registry.any_scopes():
             return func(*args)  # no tape of ours open now: plain TensorFlow
         try:
-            with AssignAwareTape(persistent=True, watch_accessed_variables=False) as probe:
+            with probe_tape(persistent=True, watch_accessed_variables=False) as probe:
                 result = func(*args)
         except UntrackedWriteError as error:
             # The other-thread rule saw it first (the body runs in one of

@@ -49,7 +49,7 @@ class Record:
       suspects: id -> (a weak reference to a cond, case or loop op the tape
         recorded bare, its number of outputs the record knows), for each such
         op whose gradient was built while the tape recorded, which may have
-        added outputs the record lacks (``_control_flow._note_gradient``,
+        added outputs the record lacks (``_control_gradients._note_gradient``,
         ``complete_record``).
     """
 

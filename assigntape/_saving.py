@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from assigntape import _control_flow
+from assigntape import _branch_writes
 from assigntape._errors import SavedModelError
 
 __all__ = ["trace_gradient_functions"]
@@ -20,7 +20,7 @@ __all__ = ["trace_gradient_functions"]
 # The gradient types of the library's graph ops (``_control_flow``).
 _OURS = frozenset(
     t.encode()
-    for t in (_control_flow._TOP_VERSION_GRAD, _control_flow._BRANCH_VERSION_GRAD, _control_flow._POISON_GRAD)
+    for t in (_branch_writes._TOP_VERSION_GRAD, _branch_writes._BRANCH_VERSION_GRAD, _branch_writes._POISON_GRAD)
 )
 
 

@@ -5,7 +5,7 @@ Eagerly, a variable's ``value()`` (every read that converts it to a tensor:
 through several layers of TensorFlow's Python before their op runs, and
 under an ``AssignAwareTape`` each layer that asks ``v.handle`` runs the
 version descriptor. While a tape is open, these methods are replaced on the
-class (``_versions.served``, put in place and taken off with the handle
+class (``_registry.served``, put in place and taken off with the handle
 descriptor) by functions that do, for a plain variable, exactly what those
 layers end in: the same op on the same version, the same watch, the same
 record on the tapes, the same result. Anything else (a distributed
@@ -24,7 +24,7 @@ import os
 import types
 from typing import Any, Callable, Dict
 
-from assigntape import _rules, _versions, _writes
+from assigntape import _rules, _serving, _writes
 from assigntape._tf import (
     dtypes,
     executing_eagerly,
@@ -129,7 +129,7 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     while a tape is open; ``method`` is TensorFlow's.
 
     Eagerly, on a plain variable of the only thread with a tape open
-    (``_versions.short_path_scope``): the value converted as TensorFlow's
+    (``_serving.short_path_scope``): the value converted as TensorFlow's
     method does, the write and its version (``_writes.write_here``, which the
     op wrapper uses too), and TensorFlow's ``_lazy_read`` (the variable
     watched, an ``_UnreadVariable`` returned).
@@ -141,7 +141,7 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     assigns = name == "assign"
 
     def write(self: Any, value: Any, use_locking: Any, name: Any, read_value: bool) -> Any:
-        scope = _versions.short_path_scope(self) if enabled else None
+        scope = _serving.short_path_scope(self) if enabled else None
         if (
             scope is None
             or ops.is_auto_dtype_conversion_enabled()  # (TensorFlow's method then promotes the value's dtype first)
@@ -155,7 +155,7 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         shape = self._shape
         if assigns and value.shape != shape:
             return method(self, value, use_locking, name, read_value)  # TensorFlow's error, or a broadcast
-        handle = _versions.serve_handle(
+        handle = _serving.serve_handle(
             scope, self, self.__dict__
         )  # self._handle: the version TensorFlow's method writes through
         arguments: Dict[str, Any] = {"resource": handle, "value": value, "name": name}
@@ -221,7 +221,7 @@ def _lazy_read(var: Any, shape: Any) -> Any:
     attributes["_graph_key"] = ops.get_default_graph()._graph_key  # (the global graph may be replaced)
     # As the handle descriptor's ``__set__`` would: a kept result names its
     # variable's handle for later tapes (a variable made after uninstall()).
-    _versions.note_handle(unread, d["_handle"])
+    _serving.note_handle(unread, d["_handle"])
     return unread
 
 
@@ -262,7 +262,7 @@ def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
 
     def value(self: Any) -> Any:
         d = self.__dict__
-        scope = _versions.short_path_read_scope(self) if enabled else None
+        scope = _serving.short_path_read_scope(self) if enabled else None
         if (
             scope is None
             or d.get("_cached_value") is not None
@@ -274,7 +274,7 @@ def value_method(method: Callable[..., Any]) -> Callable[..., Any]:
             or _GENERATED["read_variable_op"] is not read
         ):
             return method(self)
-        handle = _versions.serve_handle(scope, self, d)  # self._handle: the version, a first read's checks included
+        handle = _serving.serve_handle(scope, self, d)  # self._handle: the version, a first read's checks included
         _writes.watch(scope, self)
         if "_variable_read" in d:  # (TensorFlow 2.17 and later note a read)
             d["_variable_read"] = True

@@ -8,13 +8,18 @@ from typing import Any, Iterator, List, Optional, Tuple
 import tensorflow as tf
 
 from assigntape import (
-    _control_flow,
+    _control_gradients,
     _datasets,
     _diagnostics,
     _graph_gradients,
     _patches,
     _plain_tapes,
+    _py_functions,
     _record,
+    _registry,
+    _resolve,
+    _resuming,
+    _serving,
     _versions,
 )
 from assigntape._errors import NotAVariableError
@@ -34,7 +39,7 @@ _RESOURCE_VARIABLE = resource_variable_ops.ResourceVariable
 __all__ = ["AssignAwareTape"]
 
 
-_as_tf_variable = _versions.resolve
+_as_tf_variable = _resolve.resolve
 
 
 class AssignAwareTape(tf.GradientTape):
@@ -104,8 +109,8 @@ class AssignAwareTape(tf.GradientTape):
             super().__enter__()  # TensorFlow's error: the tape is open already
         # Entering is all or nothing: an exception at any point of it (a
         # KeyboardInterrupt from a signal handler) puts back what it changed.
-        record, tape, entered, key = self._record, self._tape, self._entered, _versions.current_key()
-        closed = record in _versions.closed_tapes
+        record, tape, entered, key = self._record, self._tape, self._entered, _registry.current_key()
+        closed = record in _resuming.closed_tapes
         # What entering again changes (first entries change only the scope's
         # records and the record's start, which a tape not entered has empty).
         before = (
@@ -175,19 +180,19 @@ class AssignAwareTape(tf.GradientTape):
                 made = written.pop(id(own), None) is not None
                 if made:
                     new = _versions.new_version(own, None)
-                    record.note_write(var, mine, new, _versions.CLOSED_WRITE)
+                    record.note_write(var, mine, new, _resuming.CLOSED_WRITE)
                     mine = new
                 resumed.append((var, own, mine, made))
                 continue
             if current is not mine:
-                record.note_write(var, mine, current, _versions.CLOSED_WRITE)
-        _versions.go_on_from(scope, resumed, record)
+                record.note_write(var, mine, current, _resuming.CLOSED_WRITE)
+        _resuming.go_on_from(scope, resumed, record)
         for uid, current in scope.current.items():
             var = scope.owners.get(id(current))
             if uid not in latest and var is not None:
                 start = record.start.get(uid, _versions.canonical_handle(var))
                 if current is not start:
-                    record.note_write(var, start, current, _versions.CLOSED_WRITE)
+                    record.note_write(var, start, current, _resuming.CLOSED_WRITE)
                 written.pop(id(_versions.canonical_handle(var)), None)
         # Variables this tape never wrote: their first read here makes the version.
         for key, own in written.items():
@@ -209,7 +214,7 @@ class AssignAwareTape(tf.GradientTape):
         # An error the handle descriptor deferred (a read TensorFlow's C++
         # code made, refused) that no later step raised: raised on the way out
         # unless another is.
-        deferred = _versions.take_deferred()
+        deferred = _serving.take_deferred()
         if deferred is not None and typ is None:
             raise deferred
 
@@ -232,7 +237,7 @@ class AssignAwareTape(tf.GradientTape):
             # since it was entered again stay writes with no gradient path
             # for it when it is entered once more (the scope forgets its
             # note of them when its last tape closes).
-            record.unseen_at_exit = set(_versions.unseen_writes(record, ids=True))
+            record.unseen_at_exit = set(_resuming.unseen_writes(record, ids=True))
             for own, closed_at_write in scope.dirty.values():
                 if record in closed_at_write:
                     record.written_while_closed[id(own)] = own
@@ -250,20 +255,20 @@ class AssignAwareTape(tf.GradientTape):
         """Keeps the patches installed while the tape is closed, and has every
         write made meanwhile noted, for when it is entered again (until
         ``_end_lease``, or until the tape is garbage: the set is weak)."""
-        _versions.hold_closed(self._record)
+        _registry.hold_closed(self._record)
 
     def _end_lease(self) -> None:
-        _versions.closed_tapes.discard(self._record)
+        _resuming.closed_tapes.discard(self._record)
 
     def reset(self) -> None:
         """Clears the tape, as ``tf.GradientTape.reset``; versions start again here."""
         super().reset()
         self._end_lease()
-        _versions.forget_closed_writes(self._record)
+        _resuming.forget_closed_writes(self._record)
         self._entered = self._scope is not None
         scope = self._scope
         self._record.restart(
-            {} if scope is None else scope.current_versions(self._record), {} if scope is None else scope.owners
+            {} if scope is None else _resuming.versions_for(scope, self._record), {} if scope is None else scope.owners
         )
 
     def _snapshot_start(self, scope: _versions.Scope) -> None:
@@ -275,7 +280,7 @@ class AssignAwareTape(tf.GradientTape):
         precision, distributed) watches the variable it stands for."""
 
         def inner(t: Any) -> Any:
-            var = _versions.resolve(t)
+            var = _resolve.resolve(t)
             return t if var is None else var
 
         super().watch(nest.map_structure(inner, tensor))
@@ -283,7 +288,7 @@ class AssignAwareTape(tf.GradientTape):
     def watched_variables(self) -> Tuple[Any, ...]:
         """The variables the tape watches, as ``tf.GradientTape.watched_variables``:
         each once, however many versions of it were read, in TensorFlow's order."""
-        return _versions.watched_in_order(super().watched_variables())
+        return _resolve.watched_in_order(super().watched_variables())
 
     def _watched(self, var: Any) -> bool:
         return any(_as_tf_variable(w) is var for w in self.watched_variables())
@@ -353,7 +358,7 @@ class AssignAwareTape(tf.GradientTape):
 
     @staticmethod
     def _require_variable(variable: Any, method: str) -> Any:
-        var = _versions.gradient_variable(variable)
+        var = _resolve.gradient_variable(variable)
         if var is None:
             raise NotAVariableError(
                 f"{method}() takes a tf.Variable or a Keras variable, got "
@@ -369,7 +374,7 @@ class AssignAwareTape(tf.GradientTape):
         """What a target ``x`` means: its latest version if it is a variable
         (one this tape did not see made if the variable was written while it
         was closed and not read since: no gradient path), else ``x`` itself."""
-        var = _versions.gradient_variable(x)
+        var = _resolve.gradient_variable(x)
         if var is None:
             return x
         own = _versions.canonical_handle(var)
@@ -406,7 +411,7 @@ class AssignAwareTape(tf.GradientTape):
         Returns:
           Gradients in the structure of ``sources``.
         """
-        _versions.raise_deferred()
+        _serving.raise_deferred()
         if target is None:
             return super().gradient(target, sources, output_gradients, unconnected_gradients)
         record = self._record
@@ -414,8 +419,8 @@ class AssignAwareTape(tf.GradientTape):
         if (
             not record.suspects
             and record.versions_start_own()
-            and _versions.plain_question(target, sources, unconnected_gradients)
-            and _versions.serves_own_handles()
+            and _resolve.plain_question(target, sources, unconnected_gradients)
+            and _serving.serves_own_handles()
         ):
             # Every variable's first version here is its own handle, the
             # sources are plain variables, the target a tensor, and
@@ -434,7 +439,7 @@ class AssignAwareTape(tf.GradientTape):
         done = not self._persistent
         if done:
             self._end_lease()
-        _control_flow.differentiating(1)
+        _control_gradients.differentiating(1)
         try:
             grads = _plain_tapes.tensorflows_gradient(type(self), AssignAwareTape)(
                 self, target, given, output_gradients, unconnected_gradients
@@ -444,7 +449,7 @@ class AssignAwareTape(tf.GradientTape):
                 self._start_lease()  # closed, and TensorFlow kept the record: it may be asked again
             raise
         finally:
-            _control_flow.differentiating(-1)
+            _control_gradients.differentiating(-1)
         return grads if finish is None else finish(grads)
 
     def _mapped_question(
@@ -456,7 +461,7 @@ class AssignAwareTape(tf.GradientTape):
         function that makes TensorFlow's answer the tape's."""
         record = self._record
         if record.suspects:
-            _control_flow.complete_record(record)
+            _control_gradients.complete_record(record)
         # A flat list or tuple (of variables and tensors, the usual sources)
         # needs none of nest's flattening and packing, which cost as much as
         # the rest here; a plain variable is never nested, asked without nest.
@@ -473,7 +478,7 @@ class AssignAwareTape(tf.GradientTape):
         # this thread: the variable's own handle), as it takes ``v.handle``
         # itself and a bare handle costs it two failed attribute lookups more
         # a source; else the version.
-        plain = not _versions.open_here()
+        plain = not _registry.open_here()
         given: List[Any] = []
         # (``Record.first_version``, inlined: every source asks it.)
         versions, start = record.versions, record.start
@@ -481,7 +486,7 @@ class AssignAwareTape(tf.GradientTape):
             if type(s) is _RESOURCE_VARIABLE and "_handle" in s.__dict__:
                 var = s  # the usual case, without resolve()'s questions
             else:
-                var = _versions.gradient_variable(s)
+                var = _resolve.gradient_variable(s)
                 if var is None:
                     mapped_sources.append(s)
                     given.append(s)
@@ -606,4 +611,8 @@ class AssignAwareTape(tf.GradientTape):
         for handle, write in zip(self._record.versions.get(uid, ()), self._record.writes.get(uid, [])):
             if handle is mapped:
                 shape = write.old_shape
-        return _versions.zeros_like_source(var, mapped, shape)
+        return _resolve.zeros_like_source(var, mapped, shape)
+
+
+# A py_function body traced under a tape runs under a probing tape of this class.
+_py_functions.probe_tape = AssignAwareTape

@@ -16,7 +16,20 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from assigntape import _control_flow, _fused, _plain_tapes, _rules, _versions
+from assigntape import (
+    _branch_writes,
+    _branches,
+    _fused,
+    _plain_tapes,
+    _record,
+    _refusals,
+    _resolve,
+    _resuming,
+    _rules,
+    _serving,
+    _threads,
+    _versions,
+)
 from assigntape._errors import WriteDtypeError
 from assigntape._tf import (
     dtypes,
@@ -36,18 +49,18 @@ def tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Cal
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         arguments = bind(params, args, kwargs)
         handle = arguments.get(rule.resource_arg)
-        _versions.refuse_unordered_graph([handle], op_name)
-        found = _versions.owner(handle)
+        _refusals.refuse_unordered_graph([handle], op_name)
+        found = _serving.owner(handle)
         if found is None or not _versions.differentiable(found[1]):
-            _versions.refuse_other_thread(handle, None, op_name)
+            _threads.refuse_other_thread(handle, None, op_name)
             if found is None:
-                _versions.unknown_variable_write(handle, op_name)
-            _versions.note_write_while_closed(handle)
+                _refusals.unknown_variable_write(handle, op_name)
+            _resuming.note_write_while_closed(handle)
             return wrapped(*args, **kwargs)
         scope, var = found
-        _versions.refuse_other_thread(handle, var, op_name)
-        branch = _versions.check_writable_here(scope, var, op_name)
-        around = _versions.branch_around(scope)
+        _threads.refuse_other_thread(handle, var, op_name)
+        branch = _branches.check_writable_here(scope, var, op_name)
+        around = _branches.branch_around(scope)
         if around is None and branch is None and scope.key is not None:
             _plain_tapes.refuse_recorders_outside_body(scope, var, op_name)
         values = _converted(op_name, arguments, rule.value_args, var, scope.key is None)
@@ -58,19 +71,17 @@ def tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Cal
             # TensorFlow's own error, before anything is written or recorded.
             return wrapped(*args, **kwargs)
         arguments.update(values)
-        _versions.refuse_foreign_inputs(var, op_name, [arguments[name] for name in rule.value_args])
-        if branch is not None:
-            return _control_flow.branch_write(op_name, rule, wrapped, arguments, branch, var)
-        if around is not None:
-            # A tape opened inside another tape's cond branch or loop body.
-            return _control_flow.write_around(
-                scope,
-                around,
-                [var],
-                lambda: _control_flow.branch_write(op_name, rule, wrapped, arguments, around, var),
-                op_name,
-            )
-        return write_here(scope, var, op_name, rule, wrapped, arguments, handle)
+        _threads.refuse_foreign_inputs(var, op_name, [arguments[name] for name in rule.value_args])
+        if branch is None and around is None:
+            return write_here(scope, var, op_name, rule, wrapped, arguments, handle)
+        return _branch_writes.write_in_body(
+            scope,
+            branch,
+            around,
+            [var],
+            lambda body: _branch_writes.branch_write(op_name, rule, wrapped, arguments, body, var),
+            op_name,
+        )
 
     return wrapper
 
@@ -88,7 +99,7 @@ def write_here(
     then the new version is made and recorded, and becomes current."""
     old = scope.current_version(var)
     write = rule.prepare(var, old, arguments)
-    old_shape = None if var.shape.is_fully_defined() else _versions.dynamic_shape(old)
+    old_shape = None if var.shape.is_fully_defined() else _resolve.dynamic_shape(old)
     forward = _forward_value(rule, var, old, write, arguments, scope.key is None)
     # The real write. If it raises (bad shape or dtype, duplicate indices),
     # nothing below runs: the tape and the variable stay as they were.
@@ -97,11 +108,11 @@ def write_here(
             result = run(**arguments)
     else:
         result = run(**arguments)
-    _versions.note_write_while_closed(handle, var)
+    _resuming.note_write_while_closed(handle, var)
     if scope.key is None or result is None:
         new = _versions.new_version(old, result)
     else:
-        new = _control_flow.symbolic_version(var, old, result, write.inputs, write.backward)
+        new = _branch_writes.symbolic_version(var, old, result, write.inputs, write.backward)
     if write.reads_old:
         # A partial write reads the old value, but a variable that was never
         # read is not watched yet, and an unwatched input is not recorded:
@@ -114,7 +125,7 @@ def write_here(
         # value's, whose ops TensorFlow differentiates forward.
         record.record_operation_forwardprop_only(op_name, [new], [forward], _rules.identity_backward, None)
     recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
-    scope.advance(var, old, new, _versions.WriteRecord(op_name, recorded=recorded, old_shape=old_shape))
+    scope.advance(var, old, new, _record.WriteRecord(op_name, recorded=recorded, old_shape=old_shape))
     return result
 
 
@@ -134,23 +145,23 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         arguments = bind(params, args, kwargs)
         handles = {name: arguments.get(name) for name in kernel.writes}
-        _versions.refuse_unordered_graph([h for h in handles.values() if h is not None], op_name)
-        owners = {name: _versions.owner(handle) for name, handle in handles.items()}
+        _refusals.refuse_unordered_graph([h for h in handles.values() if h is not None], op_name)
+        owners = {name: _serving.owner(handle) for name, handle in handles.items()}
         for name, handle in handles.items():
             owner = owners[name]
-            _versions.refuse_other_thread(handle, None if owner is None else owner[1], op_name)
+            _threads.refuse_other_thread(handle, None if owner is None else owner[1], op_name)
         found = {name: f for name, f in owners.items() if f is not None and _versions.differentiable(f[1])}
         if not found:
             for name, handle in handles.items():
                 if owners[name] is None:
-                    _versions.unknown_variable_write(handle, op_name)
-                _versions.note_write_while_closed(handle)
+                    _refusals.unknown_variable_write(handle, op_name)
+                _resuming.note_write_while_closed(handle)
             return wrapped(*args, **kwargs)
         tracked = {name: var for name, (_, var) in found.items()}
         # Every handle the op is given is found in the scope of the graph being built.
         scope, first = next(iter(found.values()))
-        branch = _versions.check_writable_here(scope, first, op_name)
-        around = _versions.branch_around(scope)
+        branch = _branches.check_writable_here(scope, first, op_name)
+        around = _branches.branch_around(scope)
         if around is None and branch is None and scope.key is not None:
             _plain_tapes.refuse_recorders_outside_body(scope, first, op_name)
         # The kernel's inputs converted once, for the kernel and the form alike,
@@ -159,21 +170,20 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
         if inputs is None:
             return wrapped(*args, **kwargs)  # TensorFlow's own error, nothing written
         arguments.update(inputs)
-        _versions.refuse_foreign_inputs(first, op_name, [arguments.get(name) for name in kernel.inputs])
+        _threads.refuse_foreign_inputs(first, op_name, [arguments.get(name) for name in kernel.inputs])
         checks: List[Any] = []
         if kernel.sparse:
             arguments["indices"] = ops.convert_to_tensor(arguments["indices"])
             checks = _fused.no_duplicates(arguments["indices"], first.name, op_name)
-        if branch is not None:
-            return _control_flow.fused_branch_write(op_name, kernel, wrapped, arguments, branch, tracked, checks)
-        if around is not None:
-            # A tape opened inside another tape's cond branch or loop body.
-            written = [tracked[name] for name in _fused.written(kernel, arguments) if name in tracked]
-            return _control_flow.write_around(
+        if branch is not None or around is not None:
+            return _branch_writes.write_in_body(
                 scope,
+                branch,
                 around,
-                written,
-                lambda: _control_flow.fused_branch_write(op_name, kernel, wrapped, arguments, around, tracked, checks),
+                [tracked[name] for name in _fused.written(kernel, arguments) if name in tracked],
+                lambda body: _branch_writes.fused_branch_write(
+                    op_name, kernel, wrapped, arguments, body, tracked, checks
+                ),
                 op_name,
             )
         # The previous versions: a tracked variable's current one (whichever of
@@ -181,9 +191,7 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
         # handle given (a variable the tape does not know: no version for it).
         old = {name: scope.current_version(tracked[name]) if name in tracked else h for name, h in handles.items()}
         shapes = {
-            name: _versions.dynamic_shape(old[name])
-            for name, var in tracked.items()
-            if not var.shape.is_fully_defined()
+            name: _resolve.dynamic_shape(old[name]) for name, var in tracked.items() if not var.shape.is_fully_defined()
         }
         recording = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
         values: Dict[str, Any] = {}
@@ -199,7 +207,7 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
         with ops.control_dependencies(list(values.values()) + checks):
             result = wrapped(**arguments)
         for name, handle in handles.items():
-            _versions.note_write_while_closed(handle, tracked.get(name))
+            _resuming.note_write_while_closed(handle, tracked.get(name))
         new_values = _fused.new_values(kernel, values, arguments) if recording else {}
         for name in _fused.written(kernel, arguments):
             var = tracked.get(name)
@@ -210,7 +218,7 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
                 record.record_operation(
                     op_name, [new], [new_values[name]], _rules.identity_backward, forward_function=lambda t: [t]
                 )
-            write = _versions.WriteRecord(op_name, recorded=recording, old_shape=shapes.get(name))
+            write = _record.WriteRecord(op_name, recorded=recording, old_shape=shapes.get(name))
             scope.advance(var, old[name], new, write)
         return result
 
@@ -340,17 +348,17 @@ def untracked_write(op_name: str, params: Sequence[str]) -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         arguments = bind(params, args, kwargs)
         handles = _resource_arguments(arguments)
-        _versions.refuse_unordered_graph(handles, op_name)
-        hits = [h for h in map(_versions.owner, handles) if h is not None]
+        _refusals.refuse_unordered_graph(handles, op_name)
+        hits = [h for h in map(_serving.owner, handles) if h is not None]
         hits = [(scope, var) for scope, var in hits if _versions.differentiable(var)]
         for h in handles:
-            _versions.refuse_other_thread(h, None, op_name)
+            _threads.refuse_other_thread(h, None, op_name)
         if not hits:
             for h in handles:
-                _versions.note_write_while_closed(h)
+                _resuming.note_write_while_closed(h)
             return wrapped(*args, **kwargs)
         scope, var = hits[0]
-        _versions.refuse_or_cut(
+        _refusals.refuse_or_cut(
             [scope],
             var,
             op_name,
@@ -362,8 +370,8 @@ def untracked_write(op_name: str, params: Sequence[str]) -> Callable[..., Any]:
         )
         result = wrapped(*args, **kwargs)
         for scope, var in hits:
-            _versions.note_write_while_closed(None, var)
-            _versions.cut([scope], var, op_name, result)
+            _resuming.note_write_while_closed(None, var)
+            _refusals.cut([scope], var, op_name, result)
         return result
 
     return wrapper
@@ -373,7 +381,7 @@ def raw_read(params: Sequence[str]) -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         arguments = bind(params, args, kwargs)
         handle = arguments.get("resource")
-        mapped = _versions.handle_for_read(handle)
+        mapped = _serving.handle_for_read(handle)
         if mapped is handle:
             return wrapped(*args, **kwargs)
         arguments["resource"] = mapped

@@ -189,7 +189,7 @@ class Worker:
 def _patches_side(step: Any, installed: bool) -> Any:
     """A side that runs ``step`` with the patches installed (dormant, as after
     a tape) or removed, switched before its timer starts."""
-    from assigntape import _patches, _versions
+    from assigntape import _patches, _registry
     from benchmarks import paired
 
     timed = paired.loop_side(step)
@@ -199,8 +199,8 @@ def _patches_side(step: Any, installed: bool) -> Any:
             if installed:
                 _patches.acquire()  # (no holder: installs only)
                 # As in a process whose last tape is long gone: the wrappers
-                # TensorFlow's code calls are off again (``_versions.idle``).
-                _versions.idle(wait=0.0)
+                # TensorFlow's code calls are off again (``_registry.idle``).
+                _registry.idle(wait=0.0)
             else:
                 _patches.remove_unused()
             # One call untimed: switching sets hundreds of attributes, which

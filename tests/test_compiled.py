@@ -347,7 +347,7 @@ def test_a_hessian_vector_product_through_tf_gradients_and_a_cond_branch_write(p
     op only, never reaching the forward cond's gradient (it was wrong there,
     then refused): persistent or not, equal to the rewrite differentiated by
     tf.gradients twice (the outputs tf.gradients added to the cond are
-    completed on the tape, ``_control_flow.complete_record``)."""
+    completed on the tape, ``_control_gradients.complete_record``)."""
     w0, u0, x = np.array([0.3, -0.7, 1.1, 0.5]), 0.8, tf.constant([1.3, -0.4], tf.float64)
     c = tf.constant([0.3, -0.8], tf.float64)
     w, u = tf.Variable(w0), tf.Variable(u0, dtype=tf.float64)

@@ -1,6 +1,6 @@
 """Patches other libraries make on the functions assigntape patches.
 
-The dormant switches (``_versions.switches``) and ``uninstall()`` put back
+The dormant switches (``_registry.switches``) and ``uninstall()`` put back
 only what is still assigntape's: a wrapt or mock patch made after the first
 tape, around ours or in place of TensorFlow's while ours was off, stays, and
 ours keeps running inside it while a tape is open.
@@ -19,7 +19,7 @@ from tensorflow.python.eager import backprop
 from tensorflow.python.ops import gen_resource_variable_ops as grv
 
 import assigntape
-from assigntape import AssignAwareTape, _versions
+from assigntape import AssignAwareTape, _registry
 from assigntape._wrapping import Wrapper
 
 # (owner, attribute, a call outside every tape that goes through it)
@@ -98,7 +98,7 @@ def _counted_within(owner: Any, name: str, calls: List[int], count: Callable[[],
 @pytest.mark.parametrize("place", sorted(_PLACES))
 def test_a_wrapt_patch_made_after_the_first_tape_stays_through_switches_and_uninstall(place, monkeypatch):
     owner, name, call = _PLACES[place]
-    monkeypatch.setattr(_versions, "IDLE_SECONDS", 0.0)
+    monkeypatch.setattr(_registry, "IDLE_SECONDS", 0.0)
     v = tf.Variable(1.0)
     assert _hypergradient() == 36.0  # the first tape installs the patches
     calls: List[int] = []
@@ -127,7 +127,7 @@ def test_a_wrapt_patch_made_after_the_first_tape_stays_through_switches_and_unin
 
 
 def test_a_mock_patch_made_around_ours_stays_and_is_undone_by_its_own_exit(monkeypatch):
-    monkeypatch.setattr(_versions, "IDLE_SECONDS", 0.0)
+    monkeypatch.setattr(_registry, "IDLE_SECONDS", 0.0)
     v = tf.Variable(1.0)
     with AssignAwareTape():
         ours = vars(grv)["assign_variable_op"]
@@ -156,7 +156,7 @@ def test_a_mock_patch_made_around_ours_stays_and_is_undone_by_its_own_exit(monke
 
 
 def test_a_patch_made_while_ours_is_off_is_wrapped_when_a_tape_opens(monkeypatch):
-    monkeypatch.setattr(_versions, "IDLE_SECONDS", 0.0)
+    monkeypatch.setattr(_registry, "IDLE_SECONDS", 0.0)
     v = tf.Variable(1.0)
     assert _hypergradient() == 36.0
     _idle()

@@ -424,14 +424,14 @@ def test_assign_aware_forward_accumulator_inside_a_tape_keeps_the_tapes_versions
 
 
 def test_assign_aware_forward_accumulator_closes_cleanly_on_an_exception():
-    from assigntape import _versions
+    from assigntape import _registry, _resuming, _versions
 
     w, lr = tf.Variable(2.0), tf.Variable(0.1)
     with pytest.raises(ZeroDivisionError):
         with assigntape.ForwardAccumulator(lr, tf.constant(1.0)):
             w.assign_sub(lr * w)
             1 / 0
-    assert not _versions.any_scopes() and not _versions.closed_tapes
+    assert not _registry.any_scopes() and not _resuming.closed_tapes
     assert w.handle is _versions.canonical_handle(w)
     np.testing.assert_allclose(w.numpy(), 1.8)
 

@@ -207,9 +207,9 @@ def test_plain_tapes_entered_with_no_tape_of_ours_about_are_followed(monkeypatch
     # tape exited before the one entered after it must leave that one followed.
     import gc
 
-    from assigntape import _versions
+    from assigntape import _registry
 
-    monkeypatch.setattr(_versions, "IDLE_SECONDS", 0.0)
+    monkeypatch.setattr(_registry, "IDLE_SECONDS", 0.0)
     with AssignAwareTape():
         pass
     gc.collect()
@@ -985,9 +985,9 @@ def test_a_plain_tape_outside_a_function_is_not_held_by_a_tape_inside_it():
     with tf.GradientTape() as plain:
         inner = step()
         y = c * c
-    from assigntape import _versions
+    from assigntape import _registry
 
-    assert not _versions.any_scopes()
+    assert not _registry.any_scopes()
     assert float(inner) == 2.0
     assert float(plain.gradient(y, c)) == 12.0  # a plain read of the value 6
 

@@ -315,13 +315,13 @@ def _state_is_right() -> List[str]:
     own handle, and ``uninstall()`` succeeds (then the patches go back)."""
     import tensorflow as tf
 
-    from assigntape import AssignAwareTape, _patches, _versions, uninstall
+    from assigntape import AssignAwareTape, _patches, _registry, uninstall
 
     problems = []
     # A lock left held would hang the next tape (and the test run) instead
     # of failing: check first.
-    if _versions._all_lock.locked():
-        return ["_versions._all_lock left held"]
+    if _registry._all_lock.locked():
+        return ["_registry._all_lock left held"]
     a, w = tf.Variable(2.0), tf.Variable(0.0)
     try:
         with AssignAwareTape() as tape:
@@ -335,8 +335,8 @@ def _state_is_right() -> List[str]:
         problems.append(f"next tape: {type(e).__name__}: {e}")
     if w.handle is not w.__dict__["_handle"]:
         problems.append("v.handle is a version outside every tape")
-    if _versions._all_scopes:
-        problems.append(f"{len(_versions._all_scopes)} scope(s) listed outside every tape")
+    if _registry._all_scopes:
+        problems.append(f"{len(_registry._all_scopes)} scope(s) listed outside every tape")
     try:
         if _patches.remove_unused():  # uninstall() without its slow garbage collection first
             uninstall()
@@ -393,9 +393,9 @@ def test_lock_regions_on_the_enter_and_exit_paths_are_one_line():
     import ast
     import inspect
 
-    from assigntape import _patches, _plain_tapes, _tape, _versions
+    from assigntape import _patches, _plain_tapes, _registry, _tape, _versions
 
-    for module in (_versions, _patches, _plain_tapes, _tape):
+    for module in (_registry, _versions, _patches, _plain_tapes, _tape):
         tree = ast.parse(inspect.getsource(module))
         for node in ast.walk(tree):
             if isinstance(node, ast.With) and len(node.body) == 1:

@@ -14,7 +14,7 @@ from tensorflow.python.eager import tape as eager_tape
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops as rvo
 
-from assigntape import AssignAwareTape, _leases, _patches, _versions
+from assigntape import AssignAwareTape, _leases, _patches, _registry, _resuming
 
 PATCHED = _patches.patched_places()
 
@@ -137,7 +137,7 @@ def test_outside_every_tape_the_write_patches_come_off_once_no_tape_has_been_abo
     alive for ``IDLE_SECONDS`` takes the patches TensorFlow's own code calls
     off (a Keras eager train step made 83 calls through them); the next tape
     puts them back, and writes there are differentiated."""
-    monkeypatch.setattr(_versions, "IDLE_SECONDS", 0.0)
+    monkeypatch.setattr(_registry, "IDLE_SECONDS", 0.0)
     v, a = tf.Variable(1.0), tf.Variable(2.0)
     with AssignAwareTape():
         v.assign(3.0)
@@ -158,7 +158,7 @@ def test_outside_every_tape_the_write_patches_come_off_once_no_tape_has_been_abo
 def test_a_closed_tape_keeps_the_write_patches_while_it_may_be_entered_again(monkeypatch):
     """Writes made while it is closed must be noted, however long it waits:
     for it they are writes with no gradient path."""
-    monkeypatch.setattr(_versions, "IDLE_SECONDS", 0.0)
+    monkeypatch.setattr(_registry, "IDLE_SECONDS", 0.0)
     v, a = tf.Variable(1.0), tf.constant(2.0)
     tape = AssignAwareTape(persistent=True)
     with tape:
@@ -186,7 +186,7 @@ def test_outside_every_tape_a_plain_tapes_gradient_is_tensorflows_own(monkeypatc
     of ours has been about, TensorFlow's own method is in place again."""
     from tensorflow.python.eager import backprop
 
-    monkeypatch.setattr(_versions, "IDLE_SECONDS", 0.0)
+    monkeypatch.setattr(_registry, "IDLE_SECONDS", 0.0)
     v, x = tf.Variable(1.0), tf.constant(3.0)
     with AssignAwareTape():
         v.assign(2.0)
@@ -209,7 +209,7 @@ def test_a_plain_tape_that_keeps_versions_keeps_its_gradient_follower(monkeypatc
     follower that maps it stays while the plain tape lives."""
     from tensorflow.python.eager import backprop
 
-    monkeypatch.setattr(_versions, "IDLE_SECONDS", 0.0)
+    monkeypatch.setattr(_registry, "IDLE_SECONDS", 0.0)
     x, c, w = tf.Variable([1.0, 2.0]), tf.Variable([0.0, 0.0]), tf.Variable(0.0)
     if plain_is == "outside":
         with tf.GradientTape(persistent=True) as plain:
@@ -233,7 +233,7 @@ def test_a_plain_tape_that_keeps_versions_keeps_its_gradient_follower(monkeypatc
 def test_uninstall_after_the_write_patches_came_off_leaves_every_original(monkeypatch):
     import assigntape
 
-    monkeypatch.setattr(_versions, "IDLE_SECONDS", 0.0)
+    monkeypatch.setattr(_registry, "IDLE_SECONDS", 0.0)
     before = {place: vars(place[0])[place[1]] for place in _switched_places()}
     v = tf.Variable(1.0)
     with AssignAwareTape():
@@ -299,7 +299,7 @@ def test_patches_are_restored_when_the_body_raises():
     assert all(after[k] is before[k] for k in before)
     # The variable keeps its value and its own handle.
     assert float(v) == 2.0 and v.handle is v.__dict__["_handle"]
-    assert not getattr(_versions._tls, "scopes", None)
+    assert not getattr(_registry._tls, "scopes", None)
 
 
 def test_variable_uses_its_own_handle_after_the_tape():
@@ -494,9 +494,9 @@ def test_ten_thousand_tapes_leave_nothing_behind():
     assert _live_eager_tensors() <= tensors
     growth = _rss_bytes() - rss
     assert growth < 32 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB"
-    assert not getattr(_versions._tls, "scopes", None)
+    assert not getattr(_registry._tls, "scopes", None)
     gc.collect()
-    assert not _leases.count() and not _versions.closed_tapes  # no tape holds on
+    assert not _leases.count() and not _resuming.closed_tapes  # no tape holds on
 
 
 def _in_thread(fn):
@@ -704,7 +704,7 @@ def test_uninstall_refuses_while_a_followed_plain_tape_is_open_and_removes_nothi
     with AssignAwareTape():
         c.assign(x * 3.0)
     gc.collect()
-    assert not _versions._all_scopes  # the closed plain tape holds nothing
+    assert not _registry._all_scopes  # the closed plain tape holds nothing
     kept = weakref.ref(plain)
     del plain
     gc.collect()

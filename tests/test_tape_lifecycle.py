@@ -143,16 +143,16 @@ def test_reentered_tape_sees_a_function_write_made_while_it_was_closed():
 
 
 def test_a_closed_tape_stops_watching_once_it_is_gone():
-    from assigntape import _leases, _versions
+    from assigntape import _leases, _resuming
 
     v = tf.Variable(1.0)
     tape = AssignAwareTape()
     with tape:
         v.assign(2.0)
-    assert _leases.count() and tape._record in _versions.closed_tapes  # it may be entered again
+    assert _leases.count() and tape._record in _resuming.closed_tapes  # it may be entered again
     del tape
     gc.collect()
-    assert not _leases.count() and not _versions.closed_tapes
+    assert not _leases.count() and not _resuming.closed_tapes
 
 
 def test_non_persistent_tape_lets_the_patches_go_at_its_gradient():

@@ -104,10 +104,10 @@ def test_plain_inner_tape_asked_while_the_outer_is_open(name):
 
 @pytest.mark.parametrize("name", sorted(WRAPPERS))
 def test_versions_watched_variables_history_and_explain(name):
-    from assigntape import _versions
+    from assigntape import _resolve
 
     w, x = WRAPPERS[name](W0), tf.Variable(X0)
-    inner = _versions.resolve(w)
+    inner = _resolve.resolve(w)
     with AssignAwareTape(persistent=True) as tape:
         tape.watch(w)
         _ = w * 1.0
@@ -115,7 +115,7 @@ def test_versions_watched_variables_history_and_explain(name):
         w.assign(x + 1.0)
         y = w * 3.0
     assert len(tape.versions(w)) == 3 and tape.versions(w) == tape.versions(inner)
-    watched = [_versions.resolve(v) for v in tape.watched_variables()]
+    watched = [_resolve.resolve(v) for v in tape.watched_variables()]
     assert sum(v is inner for v in watched) == 1
     assert len(tape.history().variables[inner.name]) == 3
     report = tape.explain(y, {"w": w, "x": x})

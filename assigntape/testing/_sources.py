@@ -14,7 +14,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from assigntape import _versions
+from assigntape import _resolve
 from assigntape._diagnostics import variable_name
 from assigntape._tape import AssignAwareTape
 
@@ -44,7 +44,7 @@ def _version_of(handle: Any) -> Optional[Tuple[Any, int]]:
         # Every variable the tape knows: written (its ``_owners``), read, or
         # written by a tape outside it before it started.
         candidates = list(obj._record.owners.values()) + list(obj._record.start_owners.values())
-        candidates += [_versions.resolve(v) for v in obj.watched_variables()]
+        candidates += [_resolve.resolve(v) for v in obj.watched_variables()]
         for var in candidates:
             if var is None:
                 continue
@@ -67,7 +67,7 @@ def resolve_sources(sources: Any) -> List[Source]:
         raise ValueError("sources is empty: give at least one variable or version handle")
     resolved: List[Source] = []
     for position, given in enumerate(flat):
-        var = _versions.resolve(given)
+        var = _resolve.resolve(given)
         if var is not None:
             source = Source(var, 0, variable_name(var, given))
         elif isinstance(given, tf.Tensor) and given.dtype == tf.resource:

@@ -4,10 +4,10 @@ Which variables ``fn`` writes is known only once it has run, and by then their
 values from before are gone. So the first run (the probe) happens under an
 ``AssignAwareTape`` whose write path is watched: each variable is saved the
 first time a write to it is about to happen (the tape's write wrappers ask
-``_versions.owner`` for the variable before the real write, the eager write
-methods' short path asks ``_versions.short_path_scope``, and a
+``_serving.owner`` for the variable before the real write, the eager write
+methods' short path asks ``_serving.short_path_scope``, and a
 ``tf.function`` that writes is refused or cut through
-``_versions.refuse_or_cut`` before it runs). The probe's ``history()`` then
+``_refusals.refuse_or_cut`` before it runs). The probe's ``history()`` then
 names the written variables, and every one of them was saved before its
 first write.
 """
@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 import numpy as np
 import tensorflow as tf
 
-from assigntape import _versions
+from assigntape import _refusals, _serving, _versions
 from assigntape._tape import AssignAwareTape
 from assigntape._tf import gen_resource_variable_ops, record
 
@@ -61,7 +61,7 @@ class SavedState:
 
 @contextlib.contextmanager
 def _saving_before_writes(state: SavedState) -> Iterator[None]:
-    owner, refuse_or_cut, short_path_scope = _versions.owner, _versions.refuse_or_cut, _versions.short_path_scope
+    owner, refuse_or_cut, short_path_scope = _serving.owner, _refusals.refuse_or_cut, _serving.short_path_scope
 
     def saving_owner(tensor: Any) -> Any:
         found = owner(tensor)
@@ -81,13 +81,13 @@ def _saving_before_writes(state: SavedState) -> Iterator[None]:
         state.save(var)
         refuse_or_cut(scopes, var, what, message)
 
-    _versions.owner, _versions.refuse_or_cut = saving_owner, saving_refuse_or_cut
-    _versions.short_path_scope = saving_short_path_scope
+    _serving.owner, _refusals.refuse_or_cut = saving_owner, saving_refuse_or_cut
+    _serving.short_path_scope = saving_short_path_scope
     try:
         yield
     finally:
-        _versions.owner, _versions.refuse_or_cut = owner, refuse_or_cut
-        _versions.short_path_scope = short_path_scope
+        _serving.owner, _refusals.refuse_or_cut = owner, refuse_or_cut
+        _serving.short_path_scope = short_path_scope
 
 
 def written_names(tape: AssignAwareTape) -> List[str]:

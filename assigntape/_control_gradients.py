@@ -1,0 +1,296 @@
+"""The gradients of the conds, cases and loops a tape recorded.
+
+TensorFlow records a graph cond, case or loop bare under one non-persistent
+tape, and its gradient may make the op output more than it did when it was
+recorded: ``possible_gradient_types`` prepares them for higher order where a
+tape of ours records, ``complete_record`` records the added outputs on a tape
+that has no record of them, and ``branch_gradient`` / ``loop_gradient`` see a
+branch's or body's gradient built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from typing import Any, Callable, Iterator, List, Tuple
+
+from assigntape import _record, _registry
+from assigntape._errors import ControlFlowWriteError
+from assigntape._tf import (
+    context,
+    control_flow_util,
+    default_gradient,
+    forwardprop,
+    gradients_util,
+    nest,
+    ops,
+    pywrap_tfe,
+    record,
+)
+from assigntape._wrapping import bind, params_of
+
+
+def possible_gradient_types(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``gradients_util.PossibleTapeGradientTypes``, asked by a cond, case or
+    loop being built and by a function call, which gradient functions to
+    prepare: in the graph where a tape of ours records, always those for
+    higher order, as for a persistent tape.
+
+    With one non-persistent tape recording, TensorFlow records a graph cond,
+    case, loop or call bare and prepares first-order gradients only. But
+    ``tf.gradients`` inside the tape (a gradient penalty, MAML's inner step, a
+    Jacobian) makes the op output intermediates after the tape recorded it,
+    and the gradient ops the tape records next read them: the tape drops their
+    cotangents (a plain tape is then silently wrong, returns None or fails an
+    assertion). Prepared for higher order, the op sits in a function call whose
+    recorded gradient outputs every intermediate up front."""
+    kind = wrapped(*args, **kwargs)
+    if kind != gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER or context.executing_eagerly():
+        return kind
+    # Only for ops built in the very graph where a tape of ours records, not
+    # in a function traced there (whose trace TensorFlow caches for every
+    # later caller) nor in a branch or body (wrapped at every level, pfor
+    # cannot vectorize a Jacobian through a cond in a loop or in a cond).
+    scope = getattr(_registry._tls, "scopes", {}).get(ops.get_default_graph())
+    if scope is None or not any(r.recording() for r in scope.records):
+        return kind
+    # Not with an accumulator recording (TensorFlow's forward mode through the
+    # wrapped op fails to build), nor under XLA for a cond or loop that writes
+    # a variable (the wrapped op then fails to build). There the op stays
+    # bare, and the tape completes its record of it (``complete_record``).
+    if any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now()):
+        return kind
+    if _building_writes() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
+        return kind
+    return gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER
+
+
+def _building_writes() -> bool:
+    """Whether a cond whose branches write, or a loop that carries written
+    variables, is being built in this thread."""
+    return bool(getattr(_carrying_now, "depth", 0)) or any(b.values for branches in _pending for b in branches)
+
+
+# How many AssignAwareTape gradients this thread is computing (``branch_gradient``).
+_differentiating = threading.local()
+
+
+def differentiating(delta: int) -> None:
+    """Counts this thread into (``+1``) or out of (``-1``) an AssignAwareTape's gradient."""
+    _differentiating.depth = getattr(_differentiating, "depth", 0) + delta
+
+
+# Branch and body graphs of the conds, cases and loops built through ``cond``,
+# ``indexed_case`` and ``while_loop`` -> (a weak reference to the op, its number
+# of outputs then, the non-persistent tapes of ours that recorded it bare):
+# ``_note_recorders``, read by ``_note_gradient``.
+_built_under: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+_CONTROL_OPS = ("If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase")
+
+
+def _control_op(tensors: Any) -> Any:
+    """The If or While op that produced ``tensors`` (directly or through the
+    identities cond_v2 and while_v2 put after it), or None (TensorFlow wrapped
+    it in a function call, or there are no outputs)."""
+    for t in nest.flatten(tensors, expand_composites=True):
+        op = getattr(t, "op", None)
+        if op is None:
+            continue
+        if op.type in _CONTROL_OPS:
+            return op
+        if op.type == "Identity" and op.inputs and op.inputs[0].op.type in _CONTROL_OPS:
+            return op.inputs[0].op
+    return None
+
+
+@contextlib.contextmanager
+def _paused(recorder: Any) -> Iterator[None]:
+    if isinstance(recorder, _record.Record):
+        recorder.pause()
+        try:
+            yield
+        finally:
+            recorder.resume()
+    else:
+        recorder._pop_tape()
+        try:
+            yield
+        finally:
+            recorder._push_tape()
+
+
+@contextlib.contextmanager
+def _alone(others: List[Any]) -> Iterator[None]:
+    """``others`` (recorders) set aside: what records now is what is left."""
+    with contextlib.ExitStack() as stack:
+        for other in others:
+            stack.enter_context(_paused(other))
+        yield
+
+
+def _records_alone(recorder: Any, others: List[Any], inputs: List[Any]) -> bool:
+    """Whether ``recorder`` alone records an op of ``inputs`` (the others set aside)."""
+    with _alone(others):
+        return bool(pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop(inputs))
+
+
+def _note_recorders(tensors: Any, graphs: List[Any]) -> None:
+    """A cond, case or loop was built, with branch or body ``graphs``: which
+    non-persistent tapes of ours recorded its op bare (TensorFlow wraps it in
+    a function when a persistent tape or more than one could differentiate
+    it; a tape differentiates such a call whole)."""
+    op = _control_op(tensors)
+    if op is None or pywrap_tfe.TFE_Py_TapeSetIsStopped():
+        return
+    inputs = list(op.inputs)
+    recorders = [r for r in _registry.recording_now() if not isinstance(r, forwardprop.ForwardAccumulator)]
+    ours = [r for r in recorders if isinstance(r, _record.Record) and not getattr(r.tape, "_persistent", True)]
+    if not ours or not pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop(inputs):
+        return
+    recorded = [r for r in ours if _records_alone(r, [o for o in recorders if o is not r], inputs)]
+    if recorded:
+        # (A weak reference to the op: a value of _built_under must not keep its key.)
+        noted = (weakref.ref(op), len(op.outputs), weakref.WeakSet(recorded))
+        for graph in graphs:
+            _built_under[graph] = noted
+
+
+def _note_gradient(graph: Any) -> None:
+    """The gradient of the cond, case or loop of ``graph`` (a branch or body)
+    is being built. A tape that recorded the op bare and records now records
+    the ops of that gradient, which may read outputs the gradient adds to the
+    op after the tape recorded it, which the tape has no record of (a plain
+    tape fails an assertion there, or is silently wrong). The op is noted on
+    the tape's record, for ``complete_record``. (An op no tape of ours
+    recorded bare is not noted: built before the tape, or inside a function
+    TensorFlow wrapped it in.)"""
+    noted = _built_under.get(graph)
+    if noted is None or not record.could_possibly_record() or pywrap_tfe.TFE_Py_TapeSetIsStopped():
+        return
+    op_ref, count, recorded = noted
+    for found in _registry.recording_now():
+        if found in recorded:
+            found.suspects.setdefault(id(op_ref), (op_ref, count))
+
+
+def complete_record(found: Any) -> None:
+    """Before ``found`` (a tape's record) is differentiated: the conds, cases
+    and loops it recorded bare in this graph whose gradient, built while it
+    recorded, made the op output more than it did when recorded.
+
+    The tape has no record of those outputs, which the gradient ops it
+    recorded read: a plain tape drops their cotangents (silently wrong where
+    they depend on what it differentiates: a branch's ``sin(x) * x`` outputs
+    ``sin(x)``) or fails an assertion. They are recorded now, on this tape
+    alone, as made from the op's inputs by the op, with the op's own gradient
+    (zero cotangents for the other outputs); the gradient through the op is
+    then the sum of the two records', which is the op's gradient. A loop's
+    gradient gives no cotangent to the outputs an earlier gradient added, so
+    for a loop that record refuses, if the tape's gradient reaches it.
+    """
+    graph = ops.get_default_graph()
+    for key, (op_ref, count) in list(found.suspects.items()):
+        op = op_ref()
+        if op is None or op.graph is not graph or len(op.outputs) <= count:
+            continue
+        found.suspects[key] = (op_ref, len(op.outputs))
+        _record_outputs(found, op, count, len(op.outputs))
+
+
+def _record_outputs(found: Any, op: Any, start: int, stop: int) -> None:
+    """Records ``op.outputs[start:stop]`` on the tape of ``found`` alone."""
+    added = op.outputs[start:stop]
+
+    def backward(*grads: Any) -> Any:
+        if op.type in ("While", "StatelessWhile"):
+            raise ControlFlowWriteError(
+                f"tf.gradients (or another tape's gradient) went through the graph loop {op.name!r} "
+                "while this tape recorded, and this tape's gradient goes through what it computed, as "
+                "for a second derivative or a gradient penalty. TensorFlow made the loop output "
+                "intermediates after the tape recorded it, and its loop gradient gives them no "
+                "cotangent (a plain tf.GradientTape is silently wrong here). Make this tape "
+                "persistent=True, or take the inner gradient with a tape inside this one instead "
+                "of tf.gradients."
+            )
+        outputs = op.outputs
+        cotangents = [default_gradient.zeros_like(t) for t in outputs[:start]]
+        cotangents += [default_gradient.zeros_like(t) if g is None else g for t, g in zip(added, grads)]
+        cotangents += [default_gradient.zeros_like(t) for t in outputs[stop:]]
+        return ops.get_gradient_function(op)(op, *cotangents)
+
+    tape = found.tape
+    others = [
+        r for r in _registry.recording_now() if r is not found and not isinstance(r, forwardprop.ForwardAccumulator)
+    ]
+    with _alone(others), contextlib.ExitStack() as stack:
+        if not found.recording():  # closed: on its tape for this record only
+            tape._push_tape()
+            stack.callback(tape._pop_tape)
+        record.record_operation_backprop_only(op.type, added, list(op.inputs), backward)
+
+
+def branch_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``cond_v2._grad_fn(func_graph, grads)``, the gradient of one branch of a
+    cond, when a tape of ours asks it with fewer cotangents than the branch
+    has outputs.
+
+    That happens when ``tf.gradients`` went through the cond first: it made the
+    If op output the intermediates its gradient reads, after a tape had recorded
+    the op with the outputs it had then. TensorFlow then fails an assertion (a
+    plain tape does too, with no variable: its own bug, left as it is outside
+    our gradients). The branch is differentiated from the outputs the tape saw,
+    with zero cotangents for the extra ones: the cotangents they do get, if the
+    tape recorded ops reading them, flow through a record of their own
+    (``complete_record``), and the op's gradient is the sum of the two.)"""
+    func_graph, grads = bind(_params(wrapped), args, kwargs).values()
+    outputs = func_graph.outputs
+    _note_gradient(func_graph)
+    if len(outputs) <= len(grads) or not getattr(_differentiating, "depth", 0):
+        return wrapped(*args, **kwargs)
+    # ``_grad_fn`` pairs ``func_graph.outputs`` with ``grads`` and reads nothing
+    # else of them; the graph is shown its first outputs only while it does.
+    func_graph.outputs = outputs[: len(grads)]
+    try:
+        return wrapped(func_graph, grads)
+    finally:
+        func_graph.outputs = outputs
+
+
+def loop_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``while_v2._create_grad_func``, called by the gradient of a While op:
+    noted (``_note_gradient``). (TensorFlow gives no cotangent to the outputs
+    an earlier gradient added to the op, which is right unless a tape
+    recorded ops reading them: such a tape of ours refuses, ``complete_record``.)"""
+    body = bind(_params(wrapped), args, kwargs)["body_graph"]
+    _note_gradient(body)
+    try:
+        return wrapped(*args, **kwargs)
+    except ValueError as error:
+        # Seen when tf.gradients went through a graph loop inside this loop's
+        # body and the body writes a variable: the inner gradient reads the
+        # write's version handle, made in the body (plain TF has no such handle).
+        if "creates a resource in its body" not in str(error) or body not in _writing_bodies:
+            raise
+        raise ControlFlowWriteError(
+            f"TensorFlow cannot differentiate the graph loop {body.name!r}: its body makes a "
+            "resource that the gradient needs, as when tf.gradients goes through a graph loop "
+            "inside a loop body that writes a variable. Take that inner gradient with a tape "
+            "opened inside the loop body instead of tf.gradients."
+        ) from error
+
+
+_pending: List[List[Any]] = []
+
+# How many loops that carry written variables this thread is building (``_carrying``).
+_carrying_now = threading.local()
+
+# The body graphs of the graph loops that carry written variables (``_carrying``).
+_writing_bodies: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@functools.lru_cache(maxsize=None)
+def _params(function: Any) -> Tuple[str, ...]:
+    return tuple(params_of(function))

@@ -1,0 +1,342 @@
+"""Closed tapes, and recorders entered again that go on from their versions.
+
+A tape that closes and may be entered again (ours, or a plain tape or an
+accumulator that held versions) is noted as closed (``closed_tapes``); every
+write made while it is closed is noted on its record. When it is entered
+again it goes on from its versions, lazily: at each variable's first read
+(``go_on_from``, ``cut_on_first_read``), which the handle descriptor
+(``_serving``) calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from assigntape import _leases
+from assigntape._record import Record, WriteRecord
+from assigntape._registry import _list, _scopes, _tls, current_key, open_plain
+from assigntape._tf import (
+    forwardprop,
+    pywrap_tfe,
+    record,
+    resource_variable_ops,
+)
+from assigntape._versions import Scope, _drop, canonical_handle, new_version, variable_of_handle
+
+
+def _among(records: Sequence[Any], recorder: Any) -> bool:
+    """Whether ``recorder`` (a tape, or its record) is one of ``records``."""
+    return any(r is recorder or r._tape() is recorder for r in records)
+
+
+def held_by(holder: Any) -> Dict[str, Tuple[Any, Any]]:
+    """The versions ``holder`` (a plain tape or forward accumulator closing)
+    holds in the current graph: unique id -> (handle, variable)."""
+    scope = _scopes().get(current_key())
+    if scope is None or scope.records or not any(h is holder for h in scope.holders):
+        return {}
+    return owned(versions_for(scope, holder))
+
+
+def versions_for(scope: Scope, recorder: Any = None) -> Dict[str, Any]:
+    """The versions current in ``scope`` for ``recorder`` (a tape, or a
+    record; None: for every tape): ``scope.current``, and the versions
+    ``recorder``, entered again, goes on from, which become current at their
+    variables' first read (``go_on_from``): until then, for the other tapes,
+    the variable's own handle is its version. A variable written while it
+    was closed and not read since gets a version it did not see made, kept
+    by the scope (the store's queries make nothing: this does)."""
+    found = dict(scope.current)
+    if recorder is None:
+        return found
+    for handle, var, _, knowing in scope.resumed.values():
+        if _among(knowing, recorder):
+            found.setdefault(var._unique_id, handle)
+    for own, closed in scope.dirty.values():
+        var = variable_of_handle(own)
+        if var is not None and var._unique_id not in found and _among(closed, recorder):
+            unseen = found[var._unique_id] = new_version(own, None)
+            scope.keep(var, unseen)
+    return found
+
+
+def unseen_writes(recorder: Any, ids: bool = False) -> List[Any]:
+    """The own handles (``ids``: their ids) of the variables written while
+    ``recorder`` (a tape entered again, or its record) was closed and not read
+    since (``Scope.dirty``, for a variable not current here: a variable written
+    through a handle no read served may be current with its entry left): a
+    write it did not see, also when it is entered once more."""
+    scope = _scopes().get(current_key())
+    if scope is None:
+        return []
+    found = []
+    for own, closed in scope.dirty.values():
+        var = variable_of_handle(own)
+        if _among(closed, recorder) and (var is None or var._unique_id not in scope.current):
+            found.append(id(own) if ids else own)
+    return found
+
+
+def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], resuming: Record) -> None:
+    """A plain tape or forward accumulator that held versions (``held_by``),
+    or that exited where a tape of ours was open (``owned``: the versions
+    current then), is entered again in the same graph: it goes on from them,
+    except for the variables written meanwhile (``written``, by id of their
+    own handle): for it such a write is one it did not record, as under
+    ``stop_recording``, so they go on from a new version with no gradient path
+    (their own handle may be a version it started from).
+
+    It does so at each variable's first read, as a tape of ours entered again
+    does (``_resume_inside``; ``resuming`` is its record, which pauses it:
+    ``recorder_record``), also where a tape of ours opened since is open
+    (which goes on from its own).
+    """
+    key = current_key()
+    scope = _scopes().get(key)
+    if scope is None and (held or written):
+        scope = _scopes()[key] = Scope(key)
+        _list(scope)
+        scope.holders = [holder]
+    if scope is not None:
+        _resume_inside(scope, held, written, resuming)
+
+
+class AccumulatorRecord(Record):
+    """The record of a forward accumulator that may be entered again, paused
+    as a tape's record pauses its tape: set aside (``set_aside``)."""
+
+    def __init__(self, accumulator: Any) -> None:
+        super().__init__(accumulator)
+        self._paused = False
+
+    def recording_tape(self) -> Optional[Any]:
+        return None  # (an accumulator is on no tape stack)
+
+    def pause(self) -> None:
+        accumulator = self._tape()
+        if accumulator is not None and accumulator._recording:
+            _place(accumulator, False)
+            self._paused = True
+
+    def resume(self) -> None:
+        accumulator = self._tape()
+        if self._paused and accumulator is not None:
+            _place(accumulator, True)
+        self._paused = False
+
+
+@contextlib.contextmanager
+def set_aside(accumulator: Any) -> Iterator[None]:
+    """Runs the block with ``accumulator`` (recording) out of TensorFlow's
+    set of accumulators, as a tape popped (``_recording`` False), and puts
+    it back where it was: the accumulators entered after it are taken out
+    and put back around it, so that every accumulator keeps its nesting order
+    (an outer one records what an inner one computes)."""
+    if not accumulator._recording:
+        yield
+        return
+    _place(accumulator, False)
+    try:
+        yield
+    finally:
+        _place(accumulator, True)
+
+
+def _place(accumulator: Any, recording: bool) -> None:
+    """Puts ``accumulator`` in (``recording``) or takes it out of TensorFlow's
+    set of accumulators, where it was entered: the ones entered after it are
+    taken out first and put back after it."""
+    after = _entered_after(accumulator)
+    for other in reversed(after):
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(other._accumulator)
+    if recording:
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator._accumulator)
+    else:
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(accumulator._accumulator)
+    accumulator._recording = recording
+    for other in after:
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(other._accumulator)
+
+
+def _entered_after(accumulator: Any) -> List[Any]:
+    """The accumulators recording in this thread that were entered after
+    ``accumulator``, innermost last (``_registry.open_plain``)."""
+    found: List[Any] = []
+    seen = False
+    for ref, _ in open_plain():
+        other = ref()
+        if other is accumulator:
+            seen = True
+        elif seen and isinstance(other, forwardprop.ForwardAccumulator) and other._recording:
+            found.append(other)
+    return found
+
+
+def recorder_record(recorder: Any) -> Record:
+    """The record of a plain tape or forward accumulator that may be entered
+    again: the one interface (``Record``: recording, pause, resume) that the
+    versions it goes on from need of it, whatever kind of recorder it is."""
+    if isinstance(recorder, forwardprop.ForwardAccumulator):
+        return AccumulatorRecord(recorder)
+    return Record(recorder)
+
+
+def _resume_inside(scope: Scope, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], resuming: Record) -> None:
+    """``resume_holder``: each variable no tape of ``scope``
+    wrote goes on from the holder's version (``go_on_from``), or,
+    written while the holder was closed, from a new version it has no path
+    through, made at its first read (``cut_on_first_read``). A variable a
+    tape of ``scope`` wrote goes on from that tape's version, made by a write
+    the holder did not record."""
+    resumed = []
+    for handle, var in held.values():
+        own = canonical_handle(var)
+        if id(own) not in written and var._unique_id not in scope.current:
+            resumed.append((var, own, handle, False))
+    go_on_from(scope, resumed, resuming)
+    for own in written.values():
+        var = variable_of_handle(own)
+        if var is not None and var._unique_id not in scope.current:
+            scope.dirty.setdefault(id(own), (own, []))[1].append(resuming)
+            scope.seen.add(var._unique_id)
+
+
+def go_on_from(scope: Scope, resumed: Sequence[Tuple[Any, Any, Any, bool]], resuming: Record) -> None:
+    """Each ``(variable, its own handle, version, made)`` of ``resumed``: the
+    tape of ``resuming``, entered again, goes on from that version (``made``:
+    one it made for a write it did not see while closed). The tapes opened
+    since it was closed know the variable by its own handle (none open then
+    and still is: the scope would have kept its versions), so at its first
+    read here the version becomes current, recorded as an identity of that
+    handle on every recorder but those that know it and those that did not
+    see it made (``cut_on_first_read``). Another tape entered again before
+    may go on from another version of the variable: one some tape knows is
+    kept, and for the others it is a write they did not see. Noted as seen
+    now: another thread must not write the variable behind the tape."""
+    for var, own, handle, made in resumed:
+        closed_at_write = scope.dirty.setdefault(id(own), (own, []))[1]
+        entry = scope.resumed.get(id(own))
+        if entry is None or (entry[2] and not made):
+            if entry is not None:
+                closed_at_write.extend(entry[3])  # the made one yields
+            scope.resumed[id(own)] = (handle, var, made, [resuming])
+            scope.keep(var, handle)
+        elif entry[0] is handle:
+            entry[3].append(resuming)
+        else:
+            closed_at_write.append(resuming)
+        scope.seen.add(var._unique_id)
+
+
+def owned(versions: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:
+    """``versions`` (unique id -> handle, current in this thread's scope here)
+    with their variables, as ``held_by`` gives them."""
+    scope = _scopes().get(current_key())
+    owners = scope.owners if scope is not None else {}
+    return {uid: (handle, owners[id(handle)]) for uid, handle in versions.items() if id(handle) in owners}
+
+
+def release_holder(instance: Any) -> None:
+    """A plain tape or forward accumulator closes: the scopes of this thread
+    that it held, and nothing else holds, are dropped."""
+    scopes = getattr(_tls, "scopes", None)
+    if not scopes:
+        return
+    for scope in list(scopes.values()):
+        if any(h is instance for h in scope.holders):
+            scope.holders = [h for h in scope.holders if h is not instance]
+            if not scope.holders and not scope.records:
+                _drop(scope)
+
+
+# The records of tapes that are closed (exited, and not yet done) and may be
+# entered again (AssignAwareTapes, and plain tapes that held versions).
+# Every write made meanwhile, by any path, is noted on each of them: on
+# re-entry such a write is, for that tape, a new version with no gradient path,
+# as a write under stop_recording is (see ``AssignAwareTape.__enter__``).
+# They are ``_leases.closed``: while any is there, the patches are needed.
+closed_tapes = _leases.closed
+_closed_refs = _leases.closed_refs
+
+
+def note_write_while_closed(handle: Any, var: Any = None) -> None:
+    """Notes, on every closed tape, that the variable behind ``handle`` (its
+    own handle, as served with no tape open) or ``var`` was written."""
+    if not _closed_refs:
+        return
+    own = handle if var is None else canonical_handle(var)
+    for r in _closed_records():
+        r.written_while_closed[id(own)] = own
+
+
+def _closed_records() -> Iterator[Record]:
+    """``closed_tapes``, through the weak set's own references, not its
+    iterator: every write inside a tape asks while a plain tape that exited
+    inside it lives, and the iterator's guard costs more than the rest."""
+    for ref in list(_closed_refs):
+        r = ref()
+        if r is not None:
+            yield r
+
+
+def forget_closed_writes(recorder: Any) -> None:
+    """``tape.reset()`` (``recorder``: a tape of ours' record, or a plain tape
+    entered again): writes made while the tape was closed and not read yet
+    (``Scope.dirty``) now come before the tape's start, so for it they are no
+    longer writes with no gradient path: their first read is an identity for
+    it, as for the tapes opened since."""
+    for scope in _scopes().values():
+        for _, closed_at_write in scope.dirty.values():
+            closed_at_write[:] = [r for r in closed_at_write if not _among((r,), recorder)]
+
+
+# What made a version written while a tape was closed, as that tape sees it.
+CLOSED_WRITE = WriteRecord("a write while the tape was closed", cut=True)
+
+
+def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
+    """The first read, in ``scope``, of a variable written while a tape of it was
+    closed and not otherwise known to that tape: a new version, with no gradient
+    path for the tapes that were closed at the write, and an identity for the
+    tapes opened since (for them the write came before they started)."""
+    closed_at_write = scope.dirty.pop(id(own))[1]
+    # Or the version tapes entered again go on from (``go_on_from``).
+    entry = scope.resumed.pop(id(own), None)
+    new, knowing = (new_version(own, None), []) if entry is None else (entry[0], entry[3])
+    # Record the identity on every recording tape except those that were
+    # closed (those of ours here, or plain ones entered again) and those that
+    # know the version.
+    paused: List[Any] = []
+    for r in [*closed_at_write, *knowing]:
+        if r.recording() and all(r is not p for p in paused):
+            paused.append(r)
+    for r in paused:
+        r.pause()
+    try:
+        # As a read would: watched, so that the tapes opened since record it.
+        resource_variable_ops.variable_accessed(var)
+        record.record_operation("Identity", [new], [own], lambda g: [g], forward_function=lambda t: [t])
+    finally:
+        for r in reversed(paused):
+            r.resume()
+    scope.adopt(var, new)
+    for r in scope.records:
+        if all(r is not k for k in knowing):
+            r.note_write(var, own, new, CLOSED_WRITE if r in closed_at_write else WriteRecord("Identity"))
+    return new
+
+
+def latest_unread(scope: Scope, var: Any, recorder: Any) -> Any:
+    """A variable target's version for ``recorder``, a plain tape entered
+    again and open in ``scope``, where the variable has not been read since
+    (not current there): the version it goes on from, or, written while it was
+    closed, one it did not see made (no gradient path), else its own handle."""
+    own = canonical_handle(var)
+    entry = scope.resumed.get(id(own))
+    if entry is not None and _among(entry[3], recorder):
+        return entry[0]
+    dirty = scope.dirty.get(id(own))
+    if dirty is not None and _among(dirty[1], recorder):
+        return new_version(own, None)
+    return own
