@@ -87,15 +87,36 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
         # notes this accumulator (it must hold the versions once the tape
         # inside closes, for jvp after the block; see _plain_tapes).
         _patches.acquire()
+        # All or nothing: TensorFlow's (patched) entry and the internal tape's
+        # are each all or nothing; an exception after them (a
+        # KeyboardInterrupt) closes both, as an empty block would: the writes
+        # cut so far were made while the accumulator was not open, so for it
+        # they have no tangent either way. (One line: see _plain_tapes.)
+        try: return self._enter()  # noqa: E701  # fmt: skip
+        except BaseException:
+            self._undo_enter()
+            raise
+
+    def _enter(self) -> "ForwardAccumulator":
         super().__enter__()
         if self._writes is not None:  # (not while __init__ watches)
-            try:
-                self._writes.__enter__()
-                self._cut_closed_writes()
-            except BaseException:
-                super().__exit__(None, None, None)
-                raise
+            self._writes.__enter__()
+            self._cut_closed_writes()
         return self
+
+    def _undo_enter(self) -> None:
+        self._put_back()
+        writes = self._writes
+        if writes is not None and writes._scope is not None:
+            writes.__exit__(None, None, None)
+        if self._recording:
+            super().__exit__(None, None, None)
+
+    def _put_back(self) -> None:
+        """Puts this accumulator back on TensorFlow's set if it was set aside
+        (``_cut_closed_writes``): once only, as TensorFlow's set needs (it
+        refuses one added twice, and crashes on one removed twice)."""
+        if self.__dict__.pop("_set_aside", False): pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(self._accumulator)  # noqa: E701  # fmt: skip
 
     def _cut_closed_writes(self) -> None:
         """The variables written while this accumulator was not open get
@@ -113,19 +134,32 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
         if not pending:
             return
         # Set aside and put back on top, where __enter__ put it: the order of
-        # nested accumulators is kept.
-        pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(self._accumulator)
+        # nested accumulators is kept. (Noted in the same line, with no line
+        # between for an exception to land on: ``_put_back`` puts it back.)
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(self._accumulator); self._set_aside = True  # noqa: E702  # fmt: skip
         try:
             for own in pending:
                 var = _versions.variable_of_handle(own)
                 if var is not None:
                     _versions.cut_on_first_read(scope, var, own)
         finally:
-            pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(self._accumulator)
+            self._put_back()
 
     def __exit__(self, typ: Any, value: Any, traceback: Any) -> None:
+        # Exiting always finishes: after an exception at any point of it (a
+        # KeyboardInterrupt), each step runs once more (the internal tape's
+        # exit and TensorFlow's, patched, each finish when run again), then
+        # it goes on. (One line: see _plain_tapes.)
+        try: self._exit(typ, value, traceback)  # noqa: E701  # fmt: skip
+        except BaseException:
+            self._exit(typ, value, traceback)
+            raise
+
+    def _exit(self, typ: Any, value: Any, traceback: Any) -> None:
+        writes = self._writes
         try:
-            if self._writes is not None:
-                self._writes.__exit__(typ, value, traceback)
+            if writes is not None and writes._scope is not None:
+                writes.__exit__(typ, value, traceback)
         finally:
-            super().__exit__(typ, value, traceback)
+            if self._recording:
+                super().__exit__(typ, value, traceback)
