@@ -197,14 +197,19 @@ class _Injector:
     """Raises ``_Injected`` at the ``n``th line executed in assigntape's
     modules while armed (``sys.settrace``)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, functions=None) -> None:
         import assigntape
 
         self.package = os.path.dirname(assigntape.__file__)
         self.n, self.count, self.fired, self.armed = n, 0, False, 0
+        # Only in the functions of these names, if given.
+        self.functions = functions
 
     def trace(self, frame, event, arg):
-        return self.line if frame.f_code.co_filename.startswith(self.package) else None
+        code = frame.f_code
+        if not code.co_filename.startswith(self.package):
+            return None
+        return self.line if self.functions is None or code.co_name in self.functions else None
 
     def line(self, frame, event, arg):
         if event == "line" and self.armed and not self.fired:
@@ -481,6 +486,10 @@ def _state_is_right() -> List[str]:
     return problems
 
 
+def _ignore(unraisable) -> None:
+    pass
+
+
 def _sweep_id(step: str, which) -> str:
     return f"{step}-{'-'.join(f'{k}.{v}' for k, vs in which.items() for v in vs)}"
 
@@ -493,10 +502,14 @@ def test_an_exception_at_any_line_of_a_tapes_entry_or_exit_leaves_the_state_righ
 
     assert not _state_is_right()
     failures = []
-    previous = sys.gettrace()
+    previous, hook = sys.gettrace(), sys.unraisablehook
     for n in range(1, 2000):
         injector = _Injector(n)
         a, w = tf.Variable(2.0), tf.Variable(0.0)
+        # An exception landing in a weakref callback (a version let go) is
+        # ignored, as Python ignores a signal's there; pytest's hook would
+        # keep its traceback, and so the tapes of its frames, alive.
+        sys.unraisablehook = _ignore
         sys.settrace(injector.trace)
         try:
             _STEPS[step](injector, which, a, w)
@@ -504,6 +517,7 @@ def test_an_exception_at_any_line_of_a_tapes_entry_or_exit_leaves_the_state_righ
             pass
         finally:
             sys.settrace(previous)
+            sys.unraisablehook = hook
         del a, w
         problems = _state_is_right()
         if problems:
@@ -538,3 +552,78 @@ def test_lock_regions_on_the_enter_and_exit_paths_are_one_line():
                 line = inspect.getsource(module).splitlines()[node.lineno - 1]
                 if "noqa: E701" in line:
                     assert node.lineno == node.body[0].lineno, f"{module.__name__}:{node.lineno}"
+
+
+# -- acting for a replica, interrupted ----------------------------------------
+
+
+def test_an_exception_at_any_line_of_acting_for_a_replica_leaves_this_thread_as_it_was():
+    """``_versions.acting_for`` (a cross-replica update run as a replica paused
+    in ``merge_call``) pushes the replica's tapes and accumulators in this
+    thread and sets its thread-locals: an exception at any of its lines (a
+    KeyboardInterrupt) leaves none of them behind, and the next update run
+    as the replica is recorded on its tape and accumulator."""
+    import threading
+
+    import tensorflow as tf
+
+    from assigntape import AssignAwareTape, _versions
+
+    a = tf.Variable(2.0)
+    opened, finish = threading.Event(), threading.Event()
+    found = {}
+
+    def replica():
+        with tf.autodiff.ForwardAccumulator(a, tf.constant(1.0)) as acc:
+            with AssignAwareTape(persistent=True) as tape:
+                found.update(acc=acc, tape=tape, scope=_versions._tls.scopes[None])
+                opened.set()
+                finish.wait()
+
+    thread = threading.Thread(target=replica)
+    thread.start()
+    opened.wait()
+    acc, tape, scope = found["acc"], found["tape"], found["scope"]
+    failures = []
+    previous = sys.gettrace()
+    try:
+        for n in range(1, 200):
+            injector = _Injector(n, functions=("acting_for", "undo"))
+            injector.armed = 1
+            sys.settrace(injector.trace)
+            try:
+                with _versions.acting_for(scope, [scope]):
+                    pass
+            except _Injected:
+                pass
+            finally:
+                sys.settrace(previous)
+            # Nothing of the replica's is left in this thread: an op here is
+            # recorded on neither its tape nor its accumulator.
+            z = a * 5.0
+            left = [
+                name
+                for name, bad in (
+                    ("scopes", getattr(_versions._tls, "scopes", None) is not None),
+                    ("merging", getattr(_versions._tls, "merging", ()) != ()),
+                    ("acting count", _versions._acting != 0),
+                    ("tape pushed", tape.gradient(z, a) is not None),
+                    ("accumulator added", acc.jvp(z) is not None),
+                )
+                if bad
+            ]
+            # And the next update run as the replica is: y = 3a, dy/da = 3.
+            with _versions.acting_for(scope, [scope]):
+                y = a * 3.0
+            grad, jvp = tape.gradient(y, a), acc.jvp(y)
+            if grad is None or float(grad) != 3.0 or jvp is None or float(jvp) != 3.0:
+                left.append(f"next: gradient {grad}, jvp {jvp}")
+            if left:
+                failures.append((n, left))
+            if not injector.fired:
+                break
+    finally:
+        finish.set()
+        thread.join()
+    assert n > 5 and not injector.fired
+    assert not failures, failures[:5]
