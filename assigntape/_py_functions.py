@@ -19,9 +19,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from assigntape import _versions
+from assigntape import _functions, _versions
 from assigntape._errors import UntrackedWriteError
-from assigntape._tf import executing_eagerly
+from assigntape._tf import executing_eagerly, ops
 from assigntape._wrapping import bind
 
 __all__ = ["py_function"]
@@ -37,21 +37,25 @@ def py_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: A
     arguments = bind(_PARAMS, args, kwargs)
     # Traced in a tape's own graph, the graph only ever runs for that tape:
     # probe every run. Traced for an eager tape's call, the function may run
-    # later with no tape about: probe only while one is open.
+    # later with no tape about: probe only while it runs for a thread with a
+    # tape open (``_functions.running_under_tape``), not for another thread's.
     found = _versions.call_context()
-    arguments["func"] = _probed(arguments["func"], always=found is not None and found[0].key is not None)
+    always = found is not None and found[0].key is not None
+    arguments["func"] = _probed(arguments["func"], always, ops.get_default_graph())
     return wrapped(**arguments)
 
 
-def _probed(func: Callable[..., Any], always: bool) -> Callable[..., Any]:
+def _probed(func: Callable[..., Any], always: bool, graph: Any) -> Callable[..., Any]:
     name = getattr(func, "__name__", repr(func))
 
     @functools.wraps(func)
     def run(*args: Any) -> Any:
         from assigntape._tape import AssignAwareTape  # (the tape needs the patches, which need this)
 
-        if not always and not _versions.any_scopes():
-            return func(*args)  # no tape of ours open now: plain TensorFlow
+        if not always and not _functions.running_under_tape(graph):
+            # Not called from a thread with a tape open (another thread's
+            # tape is not this call's): plain TensorFlow.
+            return func(*args)
         try:
             with AssignAwareTape(persistent=True, watch_accessed_variables=False) as probe:
                 result = func(*args)
