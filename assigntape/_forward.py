@@ -29,6 +29,8 @@ class _ForwardOnlyTape(AssignAwareTape):
     # Nothing asks this tape for gradients or versions: it keeps nothing, so
     # that every version but the current one can go.
     _keeps_history = False
+    # What errors call it (``_forks``).
+    _assigntape_kind = "assigntape.ForwardAccumulator"
 
 
 def _unwrapped(primal: Any) -> Any:
@@ -66,6 +68,9 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
     >>> round(float(acc.jvp(loss)), 3)  # 2 w3 * w0 * 3 (1 - 2 lr)^2 * (-2)
     -15.729
     """
+
+    # What errors call it (``_forks``).
+    _assigntape_kind = "assigntape.ForwardAccumulator"
 
     def __init__(self, primals: Any, tangents: Any) -> None:
         self._writes: Optional[_ForwardOnlyTape] = None

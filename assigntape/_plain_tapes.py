@@ -28,7 +28,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from assigntape import _control_flow, _leases, _versions
+from assigntape import _control_flow, _forks, _leases, _versions
 from assigntape._errors import ControlFlowWriteError
 from assigntape._record import Record
 from assigntape._tf import (
@@ -116,11 +116,13 @@ def _quiet() -> bool:
     """No tape of ours is open in any thread, and none closed is alive (nor a
     recorder that held versions): a plain tape has no version to note, only
     that it is open (every Keras train step enters one, so this is kept short)."""
-    return not _all_scopes and not _closed_records
+    return not _all_scopes and not _closed_records and not _forgotten
 
 
 _all_scopes = _versions._all_scopes
 _closed_records = _leases.closed_refs
+# (In a forked child: recorders closed by another thread, refused if entered again.)
+_forgotten = _forks.forgotten_refs
 
 
 def enter_method(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -142,7 +144,7 @@ def enter_method(original: Callable[..., Any]) -> Callable[..., Any]:
             raise
 
     def note(self: Any, result: Any) -> Any:
-        if type(self) is GRADIENT_TAPE and not _all_scopes and not _closed_records:
+        if type(self) is GRADIENT_TAPE and not _all_scopes and not _closed_records and not _forgotten:
             opened = getattr(tls, "plain", None)
             (_open_plain() if opened is None else opened).append((ref(self), key()))
         else:
@@ -358,6 +360,9 @@ def _opened(instance: Any) -> None:
     # The graph it is open in: only an AssignAwareTape closing in the same
     # graph (or eagerly, both eager) wrote under it.
     key = _versions.current_key()
+    held = instance.__dict__.get(_HELD)
+    if held is not None:
+        _forks.refuse_forgotten(held[2], instance)
     _open_plain().append((weakref.ref(instance), key))
     held = instance.__dict__.pop(_HELD, None)
     if held is not None:

@@ -7,7 +7,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
 
-from assigntape import _control_flow, _diagnostics, _patches, _plain_tapes, _record, _versions
+from assigntape import _control_flow, _diagnostics, _forks, _patches, _plain_tapes, _record, _versions
 from assigntape._errors import NotAVariableError
 from assigntape._tf import (
     UnconnectedGradients,
@@ -93,6 +93,7 @@ class AssignAwareTape(tf.GradientTape):
     def __enter__(self) -> "AssignAwareTape":
         if self._recording:
             super().__enter__()  # TensorFlow's error: the tape is open already
+        _forks.refuse_forgotten(self._record, self)  # (before anything changes)
         # Entering is all or nothing: an exception at any point of it (a
         # KeyboardInterrupt from a signal handler) puts back what it changed.
         record, tape, entered, key = self._record, self._tape, self._entered, _versions.current_key()

@@ -186,6 +186,96 @@ def test_a_forked_child_is_not_bound_by_tapes_of_threads_it_does_not_have():
     assert "CHILD EXIT 0" in done.stdout and "PARENT OK" in done.stdout, done.stdout
 
 
+# Another thread closed a tape of ours, an assigntape.ForwardAccumulator and a
+# plain tape that held versions, each of which may be entered again, when the
+# main thread forks. The child does not follow them (its writes made while
+# they are closed are not noted on them): entering one there is refused by
+# name, before anything changes, and a new tape works. Exit code: a bit per
+# failed check.
+_FORK_CLOSED = """
+    import os, threading, time
+    import tensorflow as tf
+    import assigntape
+    from assigntape import AssignAwareTape, ForkedTapeError, uninstall
+
+    a, w = tf.Variable(2.0), tf.Variable(0.0)
+    tape = AssignAwareTape(persistent=True)
+    acc = assigntape.ForwardAccumulator(a, tf.constant(1.0))
+    plain = tf.GradientTape(persistent=True)
+    closed, finish = threading.Event(), threading.Event()
+
+    def worker():
+        with tape:
+            w.assign(3.0 * a)
+        with acc:
+            w.assign(w * a)
+        with AssignAwareTape():
+            with plain:
+                w.assign(w + a)
+        closed.set()
+        finish.wait()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    closed.wait()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        w.assign(1.0)  # while they are closed
+        for bit, (recorder, kind) in enumerate(
+            ((tape, "AssignAwareTape"), (acc, "assigntape.ForwardAccumulator"), (plain, "GradientTape"))
+        ):
+            try:
+                with recorder:
+                    pass
+                print("CHILD entered", kind, flush=True)
+                code |= 1 << bit
+            except ForkedTapeError as e:
+                if kind not in str(e) or "new" not in str(e):
+                    print("CHILD unclear:", e, flush=True)
+                    code |= 1 << bit
+        try:
+            b, v = tf.Variable(2.0), tf.Variable(0.0)
+            with AssignAwareTape() as new:
+                v.assign(3.0 * b)
+                y = v * v
+            # The rewrite: y = (3b)^2, dy/db = 18b = 36.
+            if float(new.gradient(y, b)) != 36.0:
+                code |= 8
+            del new
+            del tape, acc, plain, recorder
+            uninstall()
+        except Exception as e:
+            print("CHILD after:", type(e).__name__, e, flush=True)
+            code |= 16
+        os._exit(code)
+    deadline = time.monotonic() + 240
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            done, status = os.waitpid(pid, 0)
+            break
+        time.sleep(0.05)
+    print("CHILD EXIT", os.waitstatus_to_exitcode(status), flush=True)
+    finish.set()
+    thread.join()
+    # In the parent they are entered again as usual.
+    with tape:
+        y = w * 1.0
+    print("PARENT OK", flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork")
+def test_a_tape_closed_by_another_thread_before_a_fork_is_refused_when_entered_again_in_the_child():
+    done = _run_python(_FORK_CLOSED)
+    assert done.returncode == 0, f"{done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
+    assert "CHILD EXIT 0" in done.stdout and "PARENT OK" in done.stdout, done.stdout
+
+
 # -- an exception at every line of a tape's way in and out ----------------------
 
 
