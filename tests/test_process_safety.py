@@ -104,6 +104,24 @@ def test_a_refused_read_in_tensorflows_fast_path_raises_and_does_not_crash():
     assert all(line.endswith(" 36.0 True") for line in after), after
 
 
+# The parent's side of the fork programs: waits for the child (killed after
+# 240 s) and prints its exit code.
+_WAIT_FOR_CHILD = """
+    def wait_for_child(pid):
+        deadline = time.monotonic() + 240
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                done, status = os.waitpid(pid, 0)
+                break
+            time.sleep(0.05)
+        print("CHILD EXIT", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
 # Another thread has tapes open (ours, a plain tape around it, one of ours
 # closed inside it, an accumulator) that read and wrote ``v``, when the main
 # thread forks. In the child, which has only the forking thread: a write of
@@ -160,17 +178,7 @@ _FORK = """
             print("CHILD uninstall:", type(e).__name__, e, flush=True)
             code |= 4
         os._exit(code)
-    deadline = time.monotonic() + 240
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            done, status = os.waitpid(pid, 0)
-            break
-        time.sleep(0.05)
-    print("CHILD EXIT", os.waitstatus_to_exitcode(status), flush=True)
+    wait_for_child(pid)
     # The parent is unaffected: its thread's tapes close as usual.
     finish.set()
     thread.join()
@@ -181,7 +189,7 @@ _FORK = """
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork")
 def test_a_forked_child_is_not_bound_by_tapes_of_threads_it_does_not_have():
-    done = _run_python(_FORK)
+    done = _run_python(_WAIT_FOR_CHILD + _FORK)
     assert done.returncode == 0, f"{done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
     assert "CHILD EXIT 0" in done.stdout and "PARENT OK" in done.stdout, done.stdout
 
@@ -249,17 +257,7 @@ _FORK_CLOSED = """
             print("CHILD after:", type(e).__name__, e, flush=True)
             code |= 16
         os._exit(code)
-    deadline = time.monotonic() + 240
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            done, status = os.waitpid(pid, 0)
-            break
-        time.sleep(0.05)
-    print("CHILD EXIT", os.waitstatus_to_exitcode(status), flush=True)
+    wait_for_child(pid)
     finish.set()
     thread.join()
     # In the parent they are entered again as usual.
@@ -271,7 +269,7 @@ _FORK_CLOSED = """
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork")
 def test_a_tape_closed_by_another_thread_before_a_fork_is_refused_when_entered_again_in_the_child():
-    done = _run_python(_FORK_CLOSED)
+    done = _run_python(_WAIT_FOR_CHILD + _FORK_CLOSED)
     assert done.returncode == 0, f"{done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
     assert "CHILD EXIT 0" in done.stdout and "PARENT OK" in done.stdout, done.stdout
 
@@ -628,9 +626,9 @@ def test_lock_regions_on_the_enter_and_exit_paths_are_one_line():
     import ast
     import inspect
 
-    from assigntape import _patches, _plain_tapes, _tape, _versions
+    from assigntape import _forward, _patches, _plain_tapes, _tape, _versions
 
-    for module in (_versions, _patches, _plain_tapes, _tape):
+    for module in (_versions, _patches, _plain_tapes, _tape, _forward):
         tree = ast.parse(inspect.getsource(module))
         for node in ast.walk(tree):
             if isinstance(node, ast.With) and len(node.body) == 1:
