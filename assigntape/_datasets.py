@@ -243,17 +243,18 @@ def function_call(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     sees a placeholder): their writes are the function's writes, refused or
     cut at the call as those of a function that writes, and, in the trace,
     where an iterator or reduce runs them (``_passed_writes``). Always on:
-    the tape may open inside the function."""
+    the tape may open inside the function. (In a tape's graph, a function
+    that writes is traced inline: ``_functions.inline``.)"""
     found = _arguments_writes((args, kwargs))
     stack = _calls.__dict__.setdefault("stack", [])
     stack.append(found)
     try:
         if not found or _idle():
-            return wrapped(*args, **kwargs)
+            return _functions.inline(wrapped, instance, args, kwargs)
         writes = [w for _, _, passed in found for w in passed]
         name = getattr(instance, "_name", None) or getattr(instance.graph, "name", "function")
         context = _context(writes, f"tf.function {name!r}, which was given the dataset or iterator as an argument")
-        return _guarded(writes, context, lambda: wrapped(*args, **kwargs))
+        return _guarded(writes, context, lambda: _functions.inline(wrapped, instance, args, kwargs))
     finally:
         stack.pop()
 

@@ -37,9 +37,10 @@ class ControlFlowWriteError(AssignTapeError, NotImplementedError):
     """A tracked variable was written inside a graph body the tape cannot follow.
 
     The tape follows writes in ``tf.cond`` branches and graph loops (carrying
-    the variable as loop state). A version made in another body (a
-    ``tf.function`` called inside the tape's function, ``tf.switch_case``)
-    cannot leave it, so the tape cannot carry the new version to later reads.
+    the variable as loop state), and traces a ``tf.function`` that writes,
+    called inside the tape's function, inline. A version made in another body
+    (a concrete function called there, ``tf.switch_case``) cannot leave it,
+    so the tape cannot carry the new version to later reads.
     Likewise a write on a tape opened inside a compiled cond branch or loop
     body while a plain ``tf.GradientTape`` or ``ForwardAccumulator`` records
     around that body: make the outer tape an ``AssignAwareTape``.

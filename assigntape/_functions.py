@@ -1,11 +1,15 @@
-"""``tf.function``s called from an eager tape.
+"""``tf.function``s called from a tape.
 
 A function keeps the handles it captured when it was traced: the variables' own,
 not their current versions. At call time those captures are mapped to the
 current versions, so the function reads, and the gradient reaches, what the tape
 wrote. Writes inside the function (or in functions it calls, or in its
 control-flow bodies) happen out of the tape's sight: they are found from the
-graph, once per function, and refused (or cut) before the function runs.
+graph, once per function. Called from an eager tape, such a function is refused
+(or cut) before it runs. Called in the graph where a tape is open (a library's
+step function inside the user's compiled step), its Python body is traced there
+instead, inline, as if undecorated, so that the tape follows its writes
+(``inline``).
 """
 
 from __future__ import annotations
@@ -16,11 +20,24 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from assigntape import _rules, _versions
 from assigntape._errors import ControlFlowWriteError
-from assigntape._tf import dtypes, executing_eagerly, ops, resource_variable_ops
+from assigntape._tf import (
+    Function,
+    autograph_api,
+    autograph_converter,
+    dtypes,
+    executing_eagerly,
+    nest,
+    ops,
+    resource_variable_ops,
+    tensor_array_ops,
+    tensor_lib,
+    variable_utils,
+)
 from assigntape._wrapping import bind
 
 __all__ = [
     "call_function",
+    "inline",
     "vectorized",
     "cut_writes",
     "function_writes",
@@ -213,6 +230,8 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     writes = variables_written(scope, function_writes(instance, tensor_inputs + captured_in))
     if not writes:
         return _run_under_tape(instance, wrapped, tensor_inputs, captured)
+    if scope.key is not None and _inlining():
+        raise _Inline()
     context = _context(instance)
     refuse_writes(scope, writes, context, FUNCTION_FIXES_EAGER, FUNCTION_FIXES_GRAPH)
     result = _run_under_tape(instance, wrapped, tensor_inputs, captured)
@@ -271,6 +290,91 @@ def running_under_tape(graph: Any) -> bool:
             return True
         graph = getattr(graph, "outer_graph", None)
     return False
+
+
+class _Inline(Exception):
+    """From ``call_function`` to ``inline``: this call's function writes a
+    variable the tape in this graph follows; trace its body here instead.
+    Raised before the call puts anything in the graph."""
+
+
+# Per thread, the graphs in which a ``tf.function`` (one with a Python body)
+# is being called now, innermost last (``inline``).
+_calls = threading.local()
+
+
+def _inlining() -> bool:
+    """Whether the concrete function about to be called is the one that the
+    innermost ``inline`` call made, in this graph. (A function called inside
+    that function's own trace is in another graph.)"""
+    stack: Optional[List[Any]] = getattr(_calls, "graphs", None)
+    return bool(stack and stack[-1] is ops.get_default_graph())
+
+
+def inline(wrapped: Callable[..., Any], function: Any, args: Any, kwargs: Any) -> Any:
+    """``Function._call`` (``wrapped``, called by ``_datasets.function_call``): in the graph of a tape's
+    function, a ``tf.function`` that writes a variable the tape follows runs
+    its Python body inline, traced in this graph as if it were undecorated
+    (converted by AutoGraph if the function would be), so that the tape
+    follows its writes: a version made inside the function's own graph could
+    not leave it. Such a function is traced once as itself first, to find its
+    writes: its Python side effects then happen twice on its first trace. It
+    loses its own ``jit_compile`` (the caller's holds)."""
+    if executing_eagerly() or not _versions.any_scopes() or not isinstance(function, Function):
+        return wrapped(*args, **kwargs)
+    stack = _calls.__dict__.setdefault("graphs", [])
+    stack.append(ops.get_default_graph())
+    try:
+        return wrapped(*args, **kwargs)
+    except _Inline:
+        pass
+    finally:
+        stack.pop()
+    body = function.python_function
+    if function.input_signature is not None:
+        args = _as_signed(function.input_signature, args)
+    if getattr(function, "_autograph", False):
+        options = autograph_converter.ConversionOptions(
+            recursive=True,
+            optional_features=getattr(function, "_experimental_autograph_options", None),
+            user_requested=True,
+        )
+        result = autograph_api.converted_call(body, args, kwargs, options=options)
+    else:
+        result = body(*args, **kwargs)
+    return _as_outputs(result)
+
+
+def _as_signed(signature: Any, args: Any) -> Any:
+    """Positional arguments converted as an input signature converts them
+    (Python numbers and arrays to tensors of the spec's dtype)."""
+
+    def convert(spec: Any, value: Any) -> Any:
+        dtype = getattr(spec, "dtype", None)
+        if dtype is None or isinstance(value, (tensor_lib.Tensor, resource_variable_ops.BaseResourceVariable)):
+            return value
+        return ops.convert_to_tensor(value, dtype=dtype)
+
+    try:
+        return tuple(nest.map_structure(convert, tuple(signature)[: len(args)], tuple(args)))
+    except (TypeError, ValueError):
+        return args  # a structure the signature does not match: TensorFlow's own error follows in the body
+
+
+def _as_outputs(result: Any) -> Any:
+    """What the function's call would have returned: variables (and a write's
+    lazily read result) as tensors, as a trace converts its outputs."""
+    result = variable_utils.convert_variables_to_tensors(result)
+
+    def convert(value: Any) -> Any:
+        if value is None or isinstance(value, (ops.Operation, tensor_array_ops.TensorArray)):
+            return value
+        try:
+            return ops.convert_to_tensor_or_composite(value)
+        except (TypeError, ValueError):
+            return value  # (a trace would raise; the body ran, so pass it back as is)
+
+    return nest.map_structure(convert, result, expand_composites=True)
 
 
 def _context(instance: Any) -> str:

@@ -26,6 +26,7 @@ one wrapper per op sees them all.
 from __future__ import annotations
 
 import operator
+import signal
 import sys
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -45,6 +46,7 @@ from assigntape import (
     _rules,
     _saving,
     _short_paths,
+    _signals,
     _versions,
     _writes,
 )
@@ -310,6 +312,9 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (script_ops, "_internal_py_func", _py_functions.py_function),
         # Saving a module whose functions hold a tape's writes (_saving).
         (saved_model_save, "_trace_gradient_functions", _saving.trace_gradient_functions),
+        # Signal handlers set later are guarded too (_signals).
+        (signal, "signal", _signals.setsignal),
+        (signal, "getsignal", _signals.getsignal),
     ]
 
 
@@ -382,6 +387,10 @@ _METHODS = {
 # asks one, so TensorFlow's own is in place otherwise.
 _SWITCHED = (_plain_tapes.gradient,)
 
+# Not dormant, and in place from the first tape to ``uninstall()``: a signal
+# handler set between tapes must be guarded for the next (``_signals``).
+_INSTALLED_ON = (_signals.setsignal, _signals.getsignal)
+
 # In place only while a tape has seen a write through a handle no tape could
 # name: every variable read calls them (``_versions.read_checks``).
 _READ_CHECKS = (_versions.accessed,)
@@ -398,7 +407,13 @@ def _maker(owner: Any, function: Callable[..., Any]) -> Callable[[Any], Any]:
     """What builds the patch that calls ``function`` around what is found on ``owner``."""
     if function in _METHODS:
         return _METHODS[function]
-    plain = function in _ALWAYS_ON or function in _SWITCHED or function in _READ_CHECKS or function in _ACTING_CHECKS
+    plain = (
+        function in _ALWAYS_ON
+        or function in _INSTALLED_ON
+        or function in _SWITCHED
+        or function in _READ_CHECKS
+        or function in _ACTING_CHECKS
+    )
     active = function if plain else _dormant(function)
     return lambda below: patch(owner, below, active, _PASSES.get(function))
 
@@ -420,7 +435,7 @@ def _put(owner: Any, name: str, function: Callable[..., Any]) -> None:
         _versions.acting_checks.append(place)
         return
     place.put(True)
-    if function not in _ALWAYS_ON:
+    if function not in _ALWAYS_ON and function not in _INSTALLED_ON:
         _versions.switches.append(place.put)
 
 
@@ -430,6 +445,8 @@ def _install() -> None:
     for owner, name, function in _attribute_patches():
         _put(owner, name, function)
     _serve_short_paths()
+    # Before the handle descriptor goes on: no signal handler may raise in it.
+    _signals.guard_all()
     _versions.serve_handles(True)
     _jvp.register(True)
     for group in _groups:
@@ -496,6 +513,7 @@ def refuse_unfollowed_recorders() -> None:
 
 def _uninstall() -> None:
     _versions.serve_handles(False)
+    _signals.unguard_all()
     _jvp.register(False)
     # Only what is still ours: a patch made around ours since stays, ours
     # (dormant: TensorFlow's own runs at once) inside it, found there again

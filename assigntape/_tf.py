@@ -31,6 +31,11 @@ try:
     # AutoGraph's allow-list, so that our wrappers are not converted.
     from tensorflow.python.autograph.core import config, config_lib
 
+    # AutoGraph's conversion of a tf.function's Python body, as a trace does it
+    # (a writing function called in a tape's graph is traced inline: _functions).
+    from tensorflow.python.autograph.core import converter as autograph_converter
+    from tensorflow.python.autograph.impl import api as autograph_api
+
     # tf.data: where a dataset's functions run (iterators, reduce, single elements).
     from tensorflow.python.data.ops import dataset_ops, iterator_ops, multi_device_iterator_ops
 
@@ -130,6 +135,8 @@ BaseResourceVariable = resource_variable_ops.BaseResourceVariable
 # (``executing_eagerly``), tf_keras' ``AutoCastVariable``
 # (``_variable``) and ``AggregatingVariable`` (``_v``); a TFModuleWrapper's
 # ``_tfmw_wrapped_module`` and ``_fastdict_insert`` (tf.compat.v1.raw_ops);
+# a ``tf.function``'s ``_autograph`` and ``_experimental_autograph_options``
+# (how its trace converts its body: ``_functions.inline``);
 # MirroredStrategy's replica threads' ``replica_id``, ``distribution``, ``done``
 # and ``should_run`` (mirrored_run._MirroredReplicaThread: which replica of which
 # strategy, paused in merge_call, a cross-replica update is for; and, for one a
@@ -201,6 +208,9 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (dataset_ops, "_VariantDataset", "a dataset argument inside a tf.function's graph"),
     (multi_device_iterator_ops.OwnedMultiDeviceIterator, "__init__", "tf.distribute's per-device iterators"),
     (Function, "_call", "a tf.function call, with the datasets among its arguments"),
+    (Function, "python_function", "a writing tf.function's body, traced inline in a tape's graph"),
+    (autograph_api, "converted_call", "AutoGraph's conversion of that body, as the trace calls it"),
+    (autograph_converter, "ConversionOptions", "the options of that conversion"),
     (ConcreteFunction, "__call__", "a concrete function's call, with the datasets among its arguments"),
     (iterator_ops.OwnedIterator, "_next_internal", "a dataset's functions run at each element"),
     (script_ops, "_internal_py_func", "py_function bodies run when a tape's graph runs"),
@@ -281,6 +291,8 @@ __all__ = [
     "UnconnectedGradients",
     "array_ops",
     "attr_value_pb2",
+    "autograph_api",
+    "autograph_converter",
     "auto_control_deps",
     "backprop",
     "check_ops",

@@ -27,7 +27,7 @@ import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
-from assigntape import _leases
+from assigntape import _leases, _signals
 from assigntape._errors import ControlFlowWriteError, GraphWriteOrderError, NotAVariableError, UntrackedWriteError
 from assigntape._record import Record, WriteRecord
 from assigntape._tf import (
@@ -1797,6 +1797,7 @@ def not_ok_status(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
 
 
 _READING = HandleDescriptor()
+_signals.called_from_c(HandleDescriptor.__get__.__code__)  # no signal handler raises in it
 served.append((_BASE_VARIABLE, "_handle", _READING, None))
 
 

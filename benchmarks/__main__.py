@@ -197,8 +197,7 @@ def _patches_side(step: Any, installed: bool) -> Any:
     def run(reps: int):
         if installed != _patches.installed():
             if installed:
-                _patches.acquire()
-                _patches.release()
+                _patches.acquire()  # (no holder: installs only)
                 # As in a process whose last tape is long gone: the wrappers
                 # TensorFlow's code calls are off again (``_versions.idle``).
                 _versions.idle(wait=0.0)

@@ -34,6 +34,20 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 TARGET = 1.05
 
 
+def _measure_pair(pair: Dict[str, Callable[[], object]], args: argparse.Namespace) -> Dict[str, Any]:
+    """Times the pair's two steps paired and interleaved (the ratio assigntape / baseline)."""
+    from benchmarks import paired  # after the environment is set (it imports TensorFlow)
+
+    return paired.measure(
+        paired.loop_side(pair["assigntape"]),
+        paired.loop_side(pair["baseline"]),
+        rounds=args.rounds,
+        target_s=args.side_ms / 1e3,
+        chunk_s=0.01,
+        before_round=gc.collect,
+    )
+
+
 def _steps(strategy: Any, compiled: bool, plain: bool = False) -> Dict[str, Callable[[], Any]]:
     """The two sides; with ``plain``, both under a plain ``tf.GradientTape``
     (no gradient through the writes): what the Keras step costs over the
@@ -118,14 +132,7 @@ def main() -> None:
         ):
             np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=1e-6)
         print(f"timing the distributed meta-step [{mode}] ...", file=sys.stderr, flush=True)
-        res = paired.measure(
-            paired.loop_side(steps["assigntape"]),
-            paired.loop_side(steps["baseline"]),
-            rounds=args.rounds,
-            target_s=args.side_ms / 1e3,
-            chunk_s=0.01,
-            before_round=gc.collect,
-        )
+        res = _measure_pair(steps, args)
         res.update(target=TARGET)
         figures[mode] = res
         median, lo, hi = res["median"], res["lo"], res["hi"]
@@ -138,14 +145,7 @@ def main() -> None:
         plain = _steps(strategy, mode == "compiled", plain=True)
         for _ in range(3):
             plain["assigntape"](), plain["baseline"]()
-        ref = paired.measure(
-            paired.loop_side(plain["assigntape"]),
-            paired.loop_side(plain["baseline"]),
-            rounds=args.rounds,
-            target_s=args.side_ms / 1e3,
-            chunk_s=0.01,
-            before_round=gc.collect,
-        )
+        ref = _measure_pair(plain, args)
         figures[f"{mode}_plain_tape"] = ref
         print(
             f"  the same pair under a plain tf.GradientTape (no assigntape) [{mode}]: "

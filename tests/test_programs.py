@@ -152,6 +152,31 @@ def test_random_programs_with_writes_in_functions_cut(program):
     program.check()
 
 
+@settings(max_examples=_n(25))
+@given(
+    st.sampled_from([True, "xla"]).flatmap(
+        lambda mode: st.tuples(programs(compiled=mode, function_writes=True), st.just(mode))
+    )
+)
+def test_random_programs_with_writes_in_functions_called_in_the_tapes_function(program_and_mode):
+    """Compiled, a write in a tf.function (one or two calls deep) called in
+    the tape's function is followed, as the rewrite's plain write."""
+    program, mode = program_and_mode
+    program.check(compiled=mode)
+
+
+def test_the_generator_makes_compiled_programs_with_writes_in_functions():
+    found = set()
+
+    @settings(max_examples=30, database=None)
+    @given(programs(compiled=True, function_writes=True))
+    def collect(program):
+        found.update(program.kinds())
+
+    collect()
+    assert "fn_write_inline" in found and "fn_write" not in found
+
+
 def _none_as_zeros(grads, like):
     return [np.zeros(np.shape(ref)) if g is None else to_numpy(g) for g, ref in zip(grads, like)]
 

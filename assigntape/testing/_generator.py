@@ -65,7 +65,8 @@ def generate(
     if events:
         kinds_of_statement += ["event"]
     if function_writes and full:
-        kinds_of_statement += ["fn_write"]
+        # Eagerly, cut; called in the tape's compiled function, followed.
+        kinds_of_statement += ["fn_write_inline" if compiled else "fn_write"]
     for _ in range(draw(st.integers(1, max_steps))):
         what = draw(st.sampled_from(kinds_of_statement))
         if what == "partial":

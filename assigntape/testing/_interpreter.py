@@ -98,10 +98,11 @@ class VariableStore:
             op = "ResourceScatter" + kind[len("scatter_") :].capitalize()
             getattr(tf.raw_ops, op)(resource=v.handle, indices=list(rows), updates=value)
 
-    def write_in_function(self, i: int, kind: str, value: Any, context: int = 0) -> None:
-        # One of the contexts that run a write out of the tape's sight: a
-        # tf.function one or two calls deep, a tf.data map iterated, a
-        # Dataset.reduce (``context`` 0 to 3).
+    def write_in_function(self, i: int, kind: str, value: Any, context: int = 0, followed: bool = False) -> None:
+        # One of the contexts that run a write out of an eager tape's sight:
+        # a tf.function one or two calls deep, a tf.data map iterated, a
+        # Dataset.reduce (``context`` 0 to 3). (``followed``: the first two,
+        # called in the tape's function, where the tape follows them.)
         v = self.variables[i]
         if context < 2:
             inner = tf.function(lambda x: getattr(v, kind)(x))
@@ -245,8 +246,8 @@ class TensorStore:
         combine = kind.split("_")[-1]
         self.tensors[i] = PARTIAL_REWRITES[combine](old, [[r] for r in rows], value)
 
-    def write_in_function(self, i: int, kind: str, value: Any, context: int = 0) -> None:
-        self.write(i, kind, value, True)  # cut: a new version, no gradient path
+    def write_in_function(self, i: int, kind: str, value: Any, context: int = 0, followed: bool = False) -> None:
+        self.write(i, kind, value, not followed)  # cut: a new version, no gradient path
 
     def final(self, i: int) -> Any:
         return self.tensors[i]
@@ -325,9 +326,13 @@ def interpret(program: "Program", store: Any, params: Sequence[Any], on_event: O
         else:
             what, i, kind, a, b, op, unary = stmt
             value = _fit(UNARY[unary](_binary(op, value_of(a), value_of(b))), program.shapes[i], dtypes[i])
-            if what == "fn_write":
-                # The context, spread over the statement's other choices.
-                store.write_in_function(i, kind, value, (i + BINARY.index(op) + list(UNARY).index(unary)) % 4)
+            if what in ("fn_write", "fn_write_inline"):
+                # The context, spread over the statement's other choices
+                # (called in the tape's function: a tf.function, one or two
+                # calls deep, whose write the tape follows).
+                spread = i + BINARY.index(op) + list(UNARY).index(unary)
+                followed = what == "fn_write_inline"
+                store.write_in_function(i, kind, value, spread % (2 if followed else 4), followed)
             else:
                 store.write(i, kind, value, what == "write_stopped")
     terms = [_real_term(t) for t in temps]

@@ -92,13 +92,14 @@ class Program:
         Args:
           compiled: ``False`` runs the tape eagerly, ``True`` inside a
             ``tf.function``, ``"xla"`` inside ``tf.function(jit_compile=True)``.
-            Programs with tape events or writes inside ``tf.function``s run
-            eagerly only.
+            Programs with tape events or writes inside ``tf.function``s
+            called from the eager tape run eagerly only; those whose
+            ``tf.function``s are called in the tape's function, compiled only.
 
         Raises:
           AssertionError: the loss, a variable's final value or a gradient
             differs, or one side has a ``None`` gradient where the other has one.
-          ValueError: ``compiled`` is set for a program that runs eagerly only.
+          ValueError: ``compiled`` does not suit the program.
         """
         compare(self, compiled)
 
@@ -161,7 +162,9 @@ def compare(program: Program, compiled: Union[bool, str] = False) -> Tuple[Any, 
         raise ValueError(f"compiled must be False, True or 'xla', got {compiled!r}")
     kinds = program.kinds()
     if compiled and ("event" in kinds or "fn_write" in kinds):
-        raise ValueError("programs with tape events or writes in tf.functions run eagerly only")
+        raise ValueError("programs with tape events or cut writes in tf.functions run eagerly only")
+    if not compiled and "fn_write_inline" in kinds:
+        raise ValueError("programs with writes in tf.functions called in the tape's function run compiled only")
     rtol, atol = tolerances(program)
     # A program that writes inside tf.functions runs on tapes that cut those writes.
     untracked = "cut" if "fn_write" in kinds else "raise"

@@ -5,8 +5,10 @@ that ``repr`` of a program is Python source):
 
 * ``("read", operand, unary)``: a new temporary, ``UNARY[unary](operand)``.
 * ``(what, i, kind, a, b, op, unary)`` with ``what`` one of ``"write"``,
-  ``"write_stopped"`` (under ``stop_recording``) or ``"fn_write"`` (inside a
-  ``tf.function`` or a ``tf.data`` function, cut): variable ``i`` written by
+  ``"write_stopped"`` (under ``stop_recording``), ``"fn_write"`` (inside a
+  ``tf.function`` or a ``tf.data`` function called from the eager tape, cut)
+  or ``"fn_write_inline"`` (inside a ``tf.function``, one or two calls deep,
+  called in the compiled tape's function, followed): variable ``i`` written by
   ``kind`` (a ``FULL_WRITES`` method) with ``UNARY[unary](BINARY op of a and b)``.
 * ``("write_const", i, kind)``: variable ``i`` written with a constant.
 * ``("partial", i, kind, rows, a, b, op, unary, broadcast)``: a ``PARTIAL_WRITES``

@@ -68,9 +68,12 @@ def programs(
         cannot compile (``scatter_nd_min`` / ``_max``, broadcast slice writes).
       events: also tape events: an inner tape opened (plain or ours), the tape
         exited and entered again, ``reset()``. Eager only.
-      function_writes: also writes inside ``tf.function``s, which the tape
-        cuts (``untracked_writes="cut"``). Eager only. With ``events``, a
-        program may have both: its tapes, an inner one of ours too, cut them.
+      function_writes: also writes inside ``tf.function``s (and, eagerly,
+        ``tf.data`` functions). Eagerly, the tape cuts them
+        (``untracked_writes="cut"``); with ``events``, a program may have
+        both: its tapes, an inner one of ours too, cut them. With
+        ``compiled``, the ``tf.function``s are called in the tape's function,
+        which follows their writes.
       keras_variables: make about a quarter of the real variables Keras 3 ones.
       stopped_writes: also writes under ``stop_recording``.
 
@@ -95,8 +98,8 @@ def programs(
         raise ValueError(f"writes must be a non-empty selection of {WRITE_KINDS}, got {tuple(writes)}")
     if compiled not in (False, True, "xla"):
         raise ValueError(f"compiled must be False, True or 'xla', got {compiled!r}")
-    if compiled and (events or function_writes):
-        raise ValueError("events and function_writes run eagerly only: not with compiled")
+    if compiled and events:
+        raise ValueError("events run eagerly only: not with compiled")
     return generate(
         max_variables,
         max_steps,
