@@ -104,10 +104,17 @@ def test_a_refused_read_in_tensorflows_fast_path_raises_and_does_not_crash():
     assert all(line.endswith(" 36.0 True") for line in after), after
 
 
-# The parent's side of the fork programs: waits for the child (killed after
-# 240 s) and prints its exit code.
-_WAIT_FOR_CHILD = """
-    def wait_for_child(pid):
+# The fork programs' helpers: start a thread and fork once it has set an
+# event; the parent waits for the child (killed after 240 s), prints its exit
+# code, and lets the thread finish.
+_FORK_HELPERS = """
+    def fork_when(worker, event):
+        thread = threading.Thread(target=worker)
+        thread.start()
+        event.wait()
+        return thread, os.fork()
+
+    def wait_for_child(pid, finish, thread):
         deadline = time.monotonic() + 240
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
@@ -119,6 +126,8 @@ _WAIT_FOR_CHILD = """
                 break
             time.sleep(0.05)
         print("CHILD EXIT", os.waitstatus_to_exitcode(status), flush=True)
+        finish.set()
+        thread.join()
 """
 
 
@@ -146,10 +155,7 @@ _FORK = """
                     opened.set()
                     finish.wait()
 
-    thread = threading.Thread(target=worker)
-    thread.start()
-    opened.wait()
-    pid = os.fork()
+    thread, pid = fork_when(worker, opened)
     if pid == 0:
         code = 0
         try:
@@ -178,10 +184,8 @@ _FORK = """
             print("CHILD uninstall:", type(e).__name__, e, flush=True)
             code |= 4
         os._exit(code)
-    wait_for_child(pid)
     # The parent is unaffected: its thread's tapes close as usual.
-    finish.set()
-    thread.join()
+    wait_for_child(pid, finish, thread)
     uninstall()
     print("PARENT OK", flush=True)
 """
@@ -189,7 +193,7 @@ _FORK = """
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork")
 def test_a_forked_child_is_not_bound_by_tapes_of_threads_it_does_not_have():
-    done = _run_python(_WAIT_FOR_CHILD + _FORK)
+    done = _run_python(_FORK_HELPERS + _FORK)
     assert done.returncode == 0, f"{done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
     assert "CHILD EXIT 0" in done.stdout and "PARENT OK" in done.stdout, done.stdout
 
@@ -223,10 +227,7 @@ _FORK_CLOSED = """
         closed.set()
         finish.wait()
 
-    thread = threading.Thread(target=worker)
-    thread.start()
-    closed.wait()
-    pid = os.fork()
+    thread, pid = fork_when(worker, closed)
     if pid == 0:
         code = 0
         w.assign(1.0)  # while they are closed
@@ -257,9 +258,7 @@ _FORK_CLOSED = """
             print("CHILD after:", type(e).__name__, e, flush=True)
             code |= 16
         os._exit(code)
-    wait_for_child(pid)
-    finish.set()
-    thread.join()
+    wait_for_child(pid, finish, thread)
     # In the parent they are entered again as usual.
     with tape:
         y = w * 1.0
@@ -269,7 +268,7 @@ _FORK_CLOSED = """
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork")
 def test_a_tape_closed_by_another_thread_before_a_fork_is_refused_when_entered_again_in_the_child():
-    done = _run_python(_WAIT_FOR_CHILD + _FORK_CLOSED)
+    done = _run_python(_FORK_HELPERS + _FORK_CLOSED)
     assert done.returncode == 0, f"{done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
     assert "CHILD EXIT 0" in done.stdout and "PARENT OK" in done.stdout, done.stdout
 
