@@ -11,6 +11,7 @@ __all__ = [
     "AssignTapeError",
     "ControlFlowWriteError",
     "DuplicateIndicesError",
+    "ForkedTapeError",
     "GraphWriteOrderError",
     "NotAVariableError",
     "SavedModelError",
@@ -114,3 +115,9 @@ class SavedModelError(AssignTapeError, ValueError):
     included), and a gradient *through* it, which would need the rules, is
     refused with this error rather than silently cut at each write.
     """
+
+
+class ForkedTapeError(AssignTapeError, RuntimeError):
+    """A tape closed by another thread before ``os.fork`` was entered again in
+    the forked child, where the writes made while it was closed were not
+    followed for it. Open a new tape in the child."""

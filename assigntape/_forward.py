@@ -29,6 +29,8 @@ class _ForwardOnlyTape(AssignAwareTape):
     # Nothing asks this tape for gradients or versions: it keeps nothing, so
     # that every version but the current one can go.
     _keeps_history = False
+    # What errors call it (``_forks``).
+    _assigntape_kind = "assigntape.ForwardAccumulator"
 
 
 def _unwrapped(primal: Any) -> Any:
@@ -67,6 +69,9 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
     -15.729
     """
 
+    # What errors call it (``_forks``).
+    _assigntape_kind = "assigntape.ForwardAccumulator"
+
     def __init__(self, primals: Any, tangents: Any) -> None:
         self._writes: Optional[_ForwardOnlyTape] = None
         # A wrapped variable (a Keras 3 one, ...) is the variable it wraps
@@ -87,15 +92,29 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
         # notes this accumulator (it must hold the versions once the tape
         # inside closes, for jvp after the block; see _plain_tapes).
         _patches.acquire()
+        # All or nothing: TensorFlow's (patched) entry and the internal tape's
+        # are each all or nothing; an exception after them (a
+        # KeyboardInterrupt) closes both, as an empty block would: the writes
+        # cut so far were made while the accumulator was not open, so for it
+        # they have no tangent either way. (One line: see _plain_tapes.)
+        try: return self._enter()  # noqa: E701  # fmt: skip
+        except BaseException:
+            self._undo_enter()
+            raise
+
+    def _enter(self) -> "ForwardAccumulator":
         super().__enter__()
         if self._writes is not None:  # (not while __init__ watches)
-            try:
-                self._writes.__enter__()
-                self._cut_closed_writes()
-            except BaseException:
-                super().__exit__(None, None, None)
-                raise
+            self._writes.__enter__()
+            self._cut_closed_writes()
         return self
+
+    def _undo_enter(self) -> None:
+        writes = self._writes
+        if writes is not None and writes._scope is not None:
+            writes.__exit__(None, None, None)
+        if self._recording:
+            super().__exit__(None, None, None)
 
     def _cut_closed_writes(self) -> None:
         """The variables written while this accumulator was not open get
@@ -119,8 +138,20 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
                     _resuming.cut_on_first_read(scope, var, own)
 
     def __exit__(self, typ: Any, value: Any, traceback: Any) -> None:
+        # Exiting always finishes: after an exception at any point of it (a
+        # KeyboardInterrupt), each step runs once more (the internal tape's
+        # exit and TensorFlow's, patched, each finish when run again), then
+        # it goes on. (One line: see _plain_tapes.)
+        try: self._exit(typ, value, traceback)  # noqa: E701  # fmt: skip
+        except BaseException:
+            self._exit(typ, value, traceback)
+            raise
+
+    def _exit(self, typ: Any, value: Any, traceback: Any) -> None:
+        writes = self._writes
         try:
-            if self._writes is not None:
-                self._writes.__exit__(typ, value, traceback)
+            if writes is not None and writes._scope is not None:
+                writes.__exit__(typ, value, traceback)
         finally:
-            super().__exit__(typ, value, traceback)
+            if self._recording:
+                super().__exit__(typ, value, traceback)

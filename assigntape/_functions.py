@@ -44,6 +44,7 @@ __all__ = [
     "note_hidden_writes",
     "outside_writes",
     "refuse_writes",
+    "running_under_tape",
     "variables_written",
 ]
 
@@ -235,14 +236,67 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
         _dataset_graphs.refuse_unlisted(scope.key is not None, unlisted, _context(instance))
     writes = variables_written(scope, found_writes)
     if not writes:
-        return wrapped(tensor_inputs, captured)
+        return _run_under_tape(instance, wrapped, tensor_inputs, captured)
     if scope.key is not None and _inlining():
         raise _Inline()
     context = _context(instance)
     refuse_writes(scope, writes, context, FUNCTION_FIXES_EAGER, FUNCTION_FIXES_GRAPH)
-    result = wrapped(tensor_inputs, captured)
+    result = _run_under_tape(instance, wrapped, tensor_inputs, captured)
     cut_writes(scope, writes, context)
     return result
+
+
+# The graphs of the functions running now for a thread with a tape open, and
+# of those they call, each with how many such calls run: a ``tf.py_function``
+# traced in one of them probes its body for writes only then (``_py_functions``),
+# not while some other thread has a tape open.
+_running: Dict[int, int] = {}
+_running_lock = threading.Lock()
+_graphs_below: "weakref.WeakKeyDictionary[Any, Tuple[int, ...]]" = weakref.WeakKeyDictionary()
+
+
+def _run_under_tape(instance: Any, wrapped: Callable[..., Any], tensor_inputs: Any, captured: Any) -> Any:
+    if not executing_eagerly():
+        return wrapped(tensor_inputs, captured)  # a call op: nothing runs now
+    keys = _below(instance.graph)
+    with _running_lock:
+        for key in keys:
+            _running[key] = _running.get(key, 0) + 1
+    try:
+        return wrapped(tensor_inputs, captured)
+    finally:
+        with _running_lock:
+            for key in keys:
+                left = _running.pop(key, 1) - 1
+                if left:
+                    _running[key] = left
+
+
+def _below(graph: Any) -> Tuple[int, ...]:
+    """The ids of ``graph`` and of every graph its ops call, however deeply (cached)."""
+    found = _graphs_below.get(graph)
+    if found is None:
+        seen: Dict[int, Any] = {}
+        stack = [graph]
+        while stack:
+            g = stack.pop()
+            if id(g) not in seen:
+                seen[id(g)] = g
+                for op in g.get_operations():
+                    if op.type not in _PLAIN_OPS:
+                        stack.extend(_called_graphs(op, g))
+        found = _graphs_below[graph] = tuple(seen)
+    return found
+
+
+def running_under_tape(graph: Any) -> bool:
+    """Whether ``graph`` (a function's, or a body in one, traced earlier) runs
+    now in a function called from a thread with a tape open."""
+    while graph is not None:
+        if id(graph) in _running:
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 class _Inline(Exception):

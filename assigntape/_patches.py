@@ -389,7 +389,12 @@ _PASSES = {
 
 # Followers whose methods are built by their module, with the common case
 # written out (every Keras train step enters and exits a plain tape).
-_METHODS = {_plain_tapes.entered: _plain_tapes.enter_method, _plain_tapes.exited: _plain_tapes.exit_method}
+_METHODS = {
+    _plain_tapes.entered: _plain_tapes.enter_method,
+    _plain_tapes.exited: _plain_tapes.exit_method,
+    _plain_tapes.accumulator_enter: _plain_tapes.accumulator_enter_method,
+    _plain_tapes.accumulator_exit: _plain_tapes.accumulator_exit_method,
+}
 
 # Not dormant, yet switched: a plain tape's gradient has something to map
 # only beside a tape of ours, or while one that ran beside it keeps versions

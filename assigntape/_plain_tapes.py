@@ -26,11 +26,12 @@ variable's own handle (which it would take for the value from before).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from assigntape import (
     _branch_writes,
     _branches,
+    _forks,
     _leases,
     _registry,
     _resolve,
@@ -39,6 +40,7 @@ from assigntape import (
     _versions,
 )
 from assigntape._errors import ControlFlowWriteError
+from assigntape._record import Record
 from assigntape._tf import (
     ControlFlowFuncGraph,
     UnconnectedGradients,
@@ -53,7 +55,9 @@ from assigntape._wrapping import bind, binds, like
 __all__ = [
     "GRADIENT_TAPE",
     "accumulator_enter",
+    "accumulator_enter_method",
     "accumulator_exit",
+    "accumulator_exit_method",
     "accumulator_jvp",
     "enter_method",
     "entered",
@@ -122,11 +126,13 @@ def _quiet() -> bool:
     """No tape of ours is open in any thread, and none closed is alive (nor a
     recorder that held versions): a plain tape has no version to note, only
     that it is open (every Keras train step enters one, so this is kept short)."""
-    return not _all_scopes and not _closed_records
+    return not _all_scopes and not _closed_records and not _forgotten
 
 
 _all_scopes = _registry._all_scopes
 _closed_records = _leases.closed_refs
+# (In a forked child: recorders closed by another thread, refused if entered again.)
+_forgotten = _forks.forgotten_refs
 
 
 def enter_method(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -148,7 +154,7 @@ def enter_method(original: Callable[..., Any]) -> Callable[..., Any]:
             raise
 
     def note(self: Any, result: Any) -> Any:
-        if type(self) is GRADIENT_TAPE and not _all_scopes and not _closed_records:
+        if type(self) is GRADIENT_TAPE and not _all_scopes and not _closed_records and not _forgotten:
             opened = getattr(tls, "plain", None)
             (_open_plain() if opened is None else opened).append((ref(self), key()))
         else:
@@ -203,18 +209,62 @@ def entered(instance: Any) -> None:
         return  # its own __enter__ did the work
     if _quiet():
         _open_plain().append((weakref.ref(instance), _registry.current_key()))
-    else:
-        _opened(instance)
-        if not hasattr(instance, _START):
-            snapshot = _snapshot(instance)
-            if snapshot is not None:
-                setattr(instance, _START, snapshot)
-                lease(instance)
-        # Inside a compiled body, after the snapshot: see rebase_for_recorder.
-        rebased = _branch_writes.rebase_for_recorder(instance)
-        if rebased and not instance._watch_accessed_variables:
-            # Recorded for it, but it watches only what it is told to.
-            instance.__dict__[_REBASED] = set(rebased)
+        return
+    # All or nothing (``enter_method`` pops the tape and forgets it open).
+    before = _entry_state(instance)
+    try: _entered_beside(instance)  # noqa: E701  # fmt: skip
+    except BaseException:
+        _undo_entered(instance, before)
+        raise
+
+
+def _entered_beside(instance: Any) -> None:
+    """``entered``, where a tape of ours is (or was) about."""
+    _opened(instance)
+    if not hasattr(instance, _START):
+        snapshot = _snapshot(instance)
+        if snapshot is not None:
+            setattr(instance, _START, snapshot)
+            lease(instance)
+    # Inside a compiled body, after the snapshot: see rebase_for_recorder.
+    rebased = _branch_writes.rebase_for_recorder(instance)
+    if rebased and not instance._watch_accessed_variables:
+        # Recorded for it, but it watches only what it is told to.
+        instance.__dict__[_REBASED] = set(rebased)
+
+
+# What ``_opened`` and ``entered`` note on a recorder, which an interrupted
+# entry puts back as they were.
+_NOTES = (_HELD, _START, _REBASED)
+
+
+def _entry_state(instance: Any) -> Tuple[Any, ...]:
+    """What a plain tape's or accumulator's entry may change (``_opened``),
+    for ``_undo_entered``: its notes, whether its record of the writes made
+    while it was closed is followed, and, if it held versions (which it goes
+    on from, entered again: ``_resuming.resume_holder``), this thread's scope."""
+    notes = {name: instance.__dict__[name] for name in _NOTES if name in instance.__dict__}
+    held = notes.get(_HELD)
+    if held is None:
+        return notes, False, None
+    return notes, held[2] in _resuming.closed_tapes, _versions.scope_state(_registry.current_key(), True)
+
+
+def _undo_entered(instance: Any, before: Tuple[Any, ...]) -> None:
+    """Puts back what an interrupted entry (``_entry_state``) changed, each
+    step whether or not it was reached."""
+    notes, closed, scope_before = before
+    _forget_open(instance)
+    _resuming.release_holder(instance)  # a scope resume_holder made for it goes
+    if scope_before is not None:
+        scope_before[0].put_back(scope_before[1])
+    for name in _NOTES:
+        if name in notes:
+            instance.__dict__[name] = notes[name]
+        else:
+            instance.__dict__.pop(name, None)
+    if closed:
+        _registry.hold_closed(notes[_HELD][2])
 
 
 def exited(instance: Any) -> None:
@@ -246,23 +296,61 @@ def reset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) ->
     return result
 
 
-def accumulator_enter(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``ForwardAccumulator.__enter__``: followed as a plain tape is, for
-    ``note_closing``."""
-    result = wrapped(*args, **kwargs)
+def accumulator_enter(instance: Any) -> None:
+    """After ``ForwardAccumulator.__enter__``: followed as a plain tape is, for
+    ``note_closing`` (the patch is ``accumulator_enter_method``'s)."""
     _opened(instance)
+
+
+def accumulator_enter_method(original: Callable[..., Any]) -> Callable[..., Any]:
+    """What goes in place of ``ForwardAccumulator.__enter__``: TensorFlow's,
+    then ``accumulator_enter``, all or nothing, as a plain tape's
+    (``enter_method``): the ``try`` is in the method's own frame, so that no
+    line runs between TensorFlow's entry and it."""
+
+    def __enter__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = _entry_state(self)
+        result = original(self, *args, **kwargs)
+        try: return _followed(accumulator_enter, self, result)  # noqa: E701  # fmt: skip
+        except BaseException:
+            _undo_entered(self, before)
+            if getattr(self, "_recording", False):
+                self._pop_accumulator()
+            raise
+
+    return like(__enter__, original, accumulator_enter)
+
+
+def _followed(follower: Callable[[Any], None], instance: Any, result: Any) -> Any:
+    follower(instance)
     return result
 
 
-def accumulator_exit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``ForwardAccumulator.__exit__``: notes the versions current now, which
-    a variable given to ``jvp`` after the block means (``accumulator_jvp``)."""
+def accumulator_exit(instance: Any) -> None:
+    """After ``ForwardAccumulator.__exit__``: notes the versions current now,
+    which a variable given to ``jvp`` after the block means
+    (``accumulator_jvp``). (The patch is ``accumulator_exit_method``'s.)"""
+    # (Taking TensorFlow's accumulator off the set changes no version.)
     snapshot = _snapshot()
     if snapshot is not None:
         setattr(instance, _END, snapshot)
-    result = wrapped(*args, **kwargs)
     _closed(instance, snapshot)
-    return result
+
+
+def accumulator_exit_method(original: Callable[..., Any]) -> Callable[..., Any]:
+    """What goes in place of ``ForwardAccumulator.__exit__``: TensorFlow's,
+    then ``accumulator_exit``. Exiting always finishes, as a plain tape's
+    (``exit_method``)."""
+
+    def __exit__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try: return _followed(accumulator_exit, self, original(self, *args, **kwargs))  # noqa: E701  # fmt: skip
+        except BaseException:
+            if getattr(self, "_recording", False):
+                self._pop_accumulator()
+            accumulator_exit(self)
+            raise
+
+    return like(__exit__, original, accumulator_exit)
 
 
 def accumulator_jvp(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -282,6 +370,9 @@ def _opened(instance: Any) -> None:
     # The graph it is open in: only an AssignAwareTape closing in the same
     # graph (or eagerly, both eager) wrote under it.
     key = _registry.current_key()
+    held = instance.__dict__.get(_HELD)
+    if held is not None:
+        _forks.refuse_forgotten(held[2], instance)
     _open_plain().append((weakref.ref(instance), key))
     held = instance.__dict__.pop(_HELD, None)
     if held is not None:
@@ -322,7 +413,6 @@ def _closed(instance: Any, ends: Optional[Dict[str, Any]] = None) -> None:
     _forget_open(instance)
     held = _resuming.held_by(instance)
     unseen = _resuming.unseen_writes(instance) if held or ends is not None else []
-    _resuming.release_holder(instance)
     if not held and ends is not None:
         # Exited inside a tape of ours: if entered again after that one closed,
         # it goes on from the versions it last saw, as it would had the other
@@ -330,11 +420,21 @@ def _closed(instance: Any, ends: Optional[Dict[str, Any]] = None) -> None:
         # a variable it wrote would lose its gradient path, and its source
         # version would not be the one read).
         held = _resuming.owned(ends)
-    if held or ends is not None:
-        # It may be entered again (a persistent tape, an accumulator): it then
-        # goes on from the versions it held, so note the writes made meanwhile,
-        # as for a closed AssignAwareTape (``_resuming.note_write_while_closed``).
-        record = _resuming.recorder_record(instance)
+    # It may be entered again (a persistent tape, an accumulator): it then
+    # goes on from the versions it held, so note the writes made meanwhile,
+    # as for a closed AssignAwareTape (``_resuming.note_write_while_closed``).
+    record = _resuming.recorder_record(instance) if held or ends is not None else None
+    # What the exit changes comes last, each step of it able to run again:
+    # after an exception in it (a KeyboardInterrupt), it runs once more.
+    try: _let_go(instance, held, unseen, record)  # noqa: E701  # fmt: skip
+    except BaseException:
+        _let_go(instance, held, unseen, record)
+        raise
+
+
+def _let_go(instance: Any, held: Dict[str, Any], unseen: List[Any], record: Optional[Record]) -> None:
+    _resuming.release_holder(instance)
+    if record is not None:
         for own in unseen:
             record.written_while_closed[id(own)] = own
         setattr(instance, _HELD, (_registry.current_key(), held, record))

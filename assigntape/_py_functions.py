@@ -19,12 +19,14 @@ the first tape.
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
+from types import FrameType
 from typing import Any, Callable, Optional
 
-from assigntape import _branches, _registry
+from assigntape import _branches, _functions, _registry
 from assigntape._errors import UntrackedWriteError
-from assigntape._tf import executing_eagerly, nest
+from assigntape._tf import executing_eagerly, nest, ops
 from assigntape._wrapping import bind
 
 __all__ = ["py_function", "refusal_in"]
@@ -45,10 +47,12 @@ def py_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: A
     arguments = bind(_PARAMS, args, kwargs)
     # Traced in a tape's own graph, the graph only ever runs for that tape:
     # probe every run. Traced for an eager tape's call, the function may run
-    # later with no tape about: probe only while one is open.
+    # later with no tape about: probe only while it runs for a thread with a
+    # tape open (``_functions.running_under_tape``), not for another thread's;
+    # a tf.data function's, run by tf.data's threads, while any tape is open.
     found = _branches.call_context()
-    always = _Always(found is not None and found[0].key is not None)
-    arguments["func"] = _probed(arguments["func"], always)
+    always = _Always(found is not None and found[0].key is not None, _in_data_function())
+    arguments["func"] = _probed(arguments["func"], always, ops.get_default_graph())
     result = wrapped(**arguments)
     try:
         _always[nest.flatten(result)[0].op.get_attr("token")] = always
@@ -61,8 +65,23 @@ class _Always:
     """Whether a body wrapped here is probed at every run (or only while a
     tape is open), held by the body."""
 
-    def __init__(self, on: bool) -> None:
+    def __init__(self, on: bool, data: bool) -> None:
         self.on = on
+        # A tf.data function's: tf.data's threads run it for an iterator, with
+        # no call to tell which thread it runs for: probed while any tape is open.
+        self.data = data
+
+
+def _in_data_function() -> bool:
+    """Whether the py_function is being traced in a ``tf.data`` function
+    (tf.data's ``StructuredFunctionWrapper`` traces it: its frame is on the stack)."""
+    frame: Optional[FrameType] = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "wrapper_helper" and code.co_filename.endswith("structured_function.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 # By their op's token, the bodies' ``_Always`` while they live. A dataset made
@@ -85,13 +104,13 @@ def probe_always(graph: Any) -> None:
 _PY_FUNC_OPS = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStateless"})
 
 
-def _probed(func: Callable[..., Any], always: _Always) -> Callable[..., Any]:
+def _probed(func: Callable[..., Any], always: _Always, graph: Any) -> Callable[..., Any]:
     name = getattr(func, "__name__", repr(func))
 
     @functools.wraps(func)
     def run(*args: Any) -> Any:
-        if not always.on and not _registry.any_scopes():
-            return func(*args)  # no tape of ours open now: plain TensorFlow
+        if not always.on and not (_functions.running_under_tape(graph) or (always.data and _registry.any_scopes())):
+            return func(*args)  # not run for a tape of ours now: plain TensorFlow
         try:
             with probe_tape(persistent=True, watch_accessed_variables=False) as probe:
                 result = func(*args)

@@ -246,8 +246,9 @@ def release_holder(instance: Any) -> None:
     for scope in list(scopes.values()):
         if any(h is instance for h in scope.holders):
             scope.holders = [h for h in scope.holders if h is not instance]
-            if not scope.holders and not scope.records:
-                _drop(scope)
+        # (Also one whose drop was interrupted: it is finished now.)
+        if not scope.holders and not scope.records:
+            _drop(scope)
 
 
 # The records of tapes that are closed (exited, and not yet done) and may be

@@ -11,6 +11,7 @@ from assigntape import (
     _control_gradients,
     _datasets,
     _diagnostics,
+    _forks,
     _graph_gradients,
     _patches,
     _plain_tapes,
@@ -107,6 +108,7 @@ class AssignAwareTape(tf.GradientTape):
     def __enter__(self) -> "AssignAwareTape":
         if self._recording:
             super().__enter__()  # TensorFlow's error: the tape is open already
+        _forks.refuse_forgotten(self._record, self)  # (before anything changes)
         # Entering is all or nothing: an exception at any point of it (a
         # KeyboardInterrupt from a signal handler) puts back what it changed.
         record, tape, entered, key = self._record, self._tape, self._entered, _registry.current_key()

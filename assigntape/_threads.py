@@ -157,23 +157,32 @@ def acting_for(scope: Scope, merging: Sequence[Scope]) -> Iterator[None]:
     variables they read are watched as the replica's reads are
     (``_distribute.watched_as_replica``, an ``acting_checks`` patch)."""
     saved = getattr(_tls, "scopes", None), getattr(_tls, "merging", ())
-    _tls.scopes, _tls.merging = {scope.key: scope}, tuple(merging)
     recording = _recording_tapes(scope)
     accumulators = _recording_accumulators(scope)
-    for tape in recording:
-        eager_tape.push_tape(tape)
-    for accumulator in accumulators:
-        pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator)
-    _count_acting(1)  # (last: the finally below counts it off)
+    # All or nothing: each change is noted on the line that makes it (no line
+    # between for an exception, a KeyboardInterrupt, to land on), and undone
+    # from those notes; the undoing runs once more if interrupted.
+    pushed: List[Any] = []
+    added: List[Any] = []
+    counted: List[bool] = []
+
+    def undo() -> None:
+        while added: pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(added.pop())  # noqa: E701  # fmt: skip
+        while pushed: eager_tape.pop_tape(pushed.pop())  # noqa: E701  # fmt: skip
+        _tls.scopes, _tls.merging = saved
+        if counted: _count_acting(-1); counted.clear()  # noqa: E701, E702  # fmt: skip
+
     try:
+        _tls.scopes, _tls.merging = {scope.key: scope}, tuple(merging)
+        for tape in recording: eager_tape.push_tape(tape); pushed.append(tape)  # noqa: E701, E702  # fmt: skip
+        for accumulator in accumulators: pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator); added.append(accumulator)  # noqa: E701, E702, E501  # fmt: skip
+        _count_acting(1); counted.append(True)  # noqa: E702  # fmt: skip
         yield
     finally:
-        for accumulator in reversed(accumulators):
-            pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(accumulator)
-        for tape in reversed(recording):
-            eager_tape.pop_tape(tape)
-        _tls.scopes, _tls.merging = saved
-        _count_acting(-1)
+        try: undo()  # noqa: E701  # fmt: skip
+        except BaseException:
+            undo()
+            raise
 
 
 def acting() -> bool:

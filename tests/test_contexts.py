@@ -585,6 +585,46 @@ def test_a_py_function_in_a_function_an_eager_tape_calls_is_refused_for_a_variab
     np.testing.assert_allclose(v.numpy(), np.array([1.5, -0.5, 2.0]) * 0.7 * 1.25)
 
 
+@pytest.mark.parametrize("make", ["py_function", "numpy_function"])
+def test_another_threads_open_tape_does_not_change_a_py_function_called_here(make):
+    """Found in review: the body was probed (and its write refused) whenever a
+    tape was open in any thread. Another thread's tape is not this call's:
+    called here outside every tape, the write is plain TensorFlow; called
+    here under a tape, it is refused as before."""
+    import threading
+
+    v = tf.Variable([1.5, -0.5, 2.0], dtype=tf.float64, name="v_written")
+    e = tf.constant(1.25, tf.float64)
+
+    def body(scale: Any) -> Any:
+        v.assign(v * float(scale))
+        return scale
+
+    wrap = tf.py_function if make == "py_function" else tf.numpy_function
+    step = tf.function(lambda: wrap(body, [e], tf.float64))
+    with AssignAwareTape():
+        step.get_concrete_function()  # traced for an eager tape's call: probed while one runs it
+    opened, finish = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with AssignAwareTape():
+            opened.set()
+            finish.wait()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    opened.wait()
+    try:
+        step()  # outside every tape of this thread: plain TensorFlow, the write made
+        np.testing.assert_allclose(v.numpy(), np.array([1.5, -0.5, 2.0]) * 1.25)
+        with AssignAwareTape():
+            with pytest.raises((UntrackedWriteError, tf.errors.UnknownError), match="v_written.*py_function"):
+                step()
+    finally:
+        finish.set()
+        thread.join()
+
+
 def test_a_py_function_that_writes_nothing_in_a_function_an_eager_tape_calls_is_plain():
     """The guard of the refusal above: a body that only reads runs, and the
     tape's gradient is the rewrite's (y = 2 x v . v, dy/dx = 2 v . v)."""
