@@ -136,11 +136,14 @@ def set_aside(accumulator: Any) -> Iterator[None]:
     if not accumulator._recording:
         yield
         return
-    _place(accumulator, False)
+    # (An exception at any line, a KeyboardInterrupt, puts it back if it was
+    # taken out: ``_place`` notes it in the line that does it.)
     try:
+        _place(accumulator, False)
         yield
     finally:
-        _place(accumulator, True)
+        if not accumulator._recording:
+            _place(accumulator, True)
 
 
 def _place(accumulator: Any, recording: bool) -> None:
@@ -148,15 +151,17 @@ def _place(accumulator: Any, recording: bool) -> None:
     set of accumulators, where it was entered: the ones entered after it are
     taken out first and put back after it."""
     after = _entered_after(accumulator)
-    for other in reversed(after):
-        pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(other._accumulator)
-    if recording:
-        pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator._accumulator)
-    else:
-        pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(accumulator._accumulator)
-    accumulator._recording = recording
-    for other in after:
-        pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(other._accumulator)
+    # Each change and its note on one line (no line between for an exception,
+    # a KeyboardInterrupt, to land on): TensorFlow's set refuses an
+    # accumulator added twice and crashes on one removed twice. The ones
+    # taken out are put back whatever happens.
+    removed: List[Any] = []
+    try:
+        for other in reversed(after): pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(other._accumulator); removed.append(other)  # noqa: E701, E702, E501  # fmt: skip
+        if recording and not accumulator._recording: pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator._accumulator); accumulator._recording = True  # noqa: E701, E702, E501  # fmt: skip
+        if not recording and accumulator._recording: pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(accumulator._accumulator); accumulator._recording = False  # noqa: E701, E702, E501  # fmt: skip
+    finally:
+        while removed: pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(removed[-1]._accumulator); removed.pop()  # noqa: E701, E702  # fmt: skip
 
 
 def _entered_after(accumulator: Any) -> List[Any]:
