@@ -36,10 +36,11 @@ class Wrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]  # (as above)
     __bound_function_wrapper__ = _BoundWrapper
 
 
-def unwrapped(function: Any) -> Any:
+def unwrapped(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function`` itself if it is not our wrapper; else the function it wraps
     (a generated op the library runs without being seen by its own patch)."""
-    return function.__wrapped__ if isinstance(function, Wrapper) else function
+    inner: Callable[..., Any] = function.__wrapped__ if isinstance(function, Wrapper) else function
+    return inner
 
 
 def patch(
