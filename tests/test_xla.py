@@ -696,3 +696,42 @@ def test_a_writing_loop_differentiated_in_the_same_function(kind: str, way: str,
     assert grad == pytest.approx(grad_expected, rel=1e-9)
     assert tape_grad == pytest.approx(grad_expected, rel=1e-9)
     np.testing.assert_allclose(final, final_expected, rtol=1e-9)
+
+
+# A scalar update broadcast to the written rows (as the raw scatter ops do), in
+# a loop differentiated under XLA: the broadcast's shape must be a constant
+# there (it was built from the variable's run-time shape: BroadcastGradientArgs
+# did not compile).
+SCALAR_SCATTERS: Dict[str, Any] = {
+    "mul": (lambda v, u: v.scatter_mul(tf.IndexedSlices(u, tf.constant([0, 2]))), lambda w, u: w * [u, 1.0, u]),
+    "update": (
+        lambda v, u: v.scatter_update(tf.IndexedSlices(u, tf.constant([0, 2]))),
+        lambda w, u: tf.stack([u, w[1], u]),
+    ),
+    "div": (lambda v, u: v.scatter_div(tf.IndexedSlices(u, tf.constant([0, 2]))), lambda w, u: w / [u, 1.0, u]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SCALAR_SCATTERS))
+def test_a_scalar_scatter_in_a_loop_differentiated_under_xla(kind: str) -> None:
+    write, rewrite = SCALAR_SCATTERS[kind]
+    v, x = tf.Variable([1.0, 2.0, 3.0]), tf.Variable(0.5)
+
+    @tf.function(jit_compile=True)
+    def f(n: Any) -> Any:
+        with AssignAwareTape() as tape:
+            for _ in tf.range(n):
+                write(v, x * 3.0)
+            y = tf.reduce_sum(tf.sin(v) * v)
+        return y, tape.gradient(y, x)
+
+    y, grad = f(tf.constant(2))
+    xt = tf.constant(0.5)
+    with tf.GradientTape() as oracle:
+        oracle.watch(xt)
+        w = tf.constant([1.0, 2.0, 3.0])
+        for _ in range(2):
+            w = rewrite(w, xt * 3.0)
+        y_expected = tf.reduce_sum(tf.sin(w) * w)
+    assert float(y) == pytest.approx(float(y_expected), rel=1e-6)
+    assert float(grad) == pytest.approx(float(oracle.gradient(y_expected, xt)), rel=1e-5)
