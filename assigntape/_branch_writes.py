@@ -51,6 +51,7 @@ from assigntape._tf import (
     tensor_lib,
     variable_utils,
 )
+from assigntape._wrapping import unwrapped
 
 _BRANCH_VERSION_GRAD = "AssigntapeBranchVersion"
 
@@ -521,6 +522,37 @@ def _leave(scope: Any, parent: Any, var: Any, value: Any, what: str) -> None:
 
 
 # -- loops ---------------------------------------------------------------------
+
+# The call ops TensorFlow puts around a loop for tape gradients
+# (``control_flow_util_v2.run_as_function_for_tape_gradients``).
+_CALL_OPS = ("StatefulPartitionedCall", "PartitionedCall")
+
+
+def written_again(handles: List[Any], variables: List[Any], final: List[Any]) -> List[Any]:
+    """After a loop that wrote ``variables`` (their handles before it,
+    ``handles``; their values after it, ``final``): the values to make their
+    versions from.
+
+    With a persistent tape or nested tapes recording, TensorFlow builds the
+    While op inside a function call (``cflow_gradient_wrapper``), and a
+    gradient through the loop taken later in the same graph (``tf.gradients``,
+    an inner tape's ``gradient``) turns that call into a forward function with
+    the accumulators as extra outputs. XLA then drops the order of the loop's
+    resource writes: a read after the loop sees the value from before it, and
+    a write after it is overwritten by the loop's (plain TensorFlow too). So
+    after such a loop each variable is written once more, at this level, with
+    the value the loop carried out of it, which is the value it wrote (without
+    XLA a write of the same value); later reads and writes are ordered after
+    that write. Not recorded: the version made after it has the loop's value
+    as its gradient path."""
+    if not any(getattr(getattr(t, "op", None), "type", None) in _CALL_OPS for t in final):
+        return final
+    assign = unwrapped(gen_resource_variable_ops.assign_variable_op)
+    with record.stop_recording():
+        writes = [assign(handle, value) for handle, value in zip(handles, final)]
+    with ops.control_dependencies(writes):
+        # Recorded identities: the tapes' path from each version to the loop.
+        return [array_ops.identity(value) for value in final]
 
 
 class _NotCarried(Exception):

@@ -14,7 +14,16 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List
 
 from assigntape import _branches, _registry, _versions
-from assigntape._branch_writes import _branch_version, _entering, _inherit, _leave, _open, _read_now, _retry
+from assigntape._branch_writes import (
+    _branch_version,
+    _entering,
+    _inherit,
+    _leave,
+    _open,
+    _read_now,
+    _retry,
+    written_again,
+)
 from assigntape._control_gradients import (
     _carrying_now,
     _control_op,
@@ -369,6 +378,7 @@ def _carrying(
     finally:
         _carrying_now.depth -= 1
     _note_recorders((result, final), bodies)
+    final = written_again(outer, carried, list(final))
     for v, value in zip(carried, final):
         _leave(scope, parent, v, value, "tf.while_loop")
     if arguments.get("return_same_structure", True):

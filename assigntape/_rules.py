@@ -324,13 +324,20 @@ def _scatter(combine: str, nd_form: bool) -> Rule:
             # otherwise folds the backward pass's rows to a scalar when the
             # update comes from a written variable, and the scatter of the
             # gradient fails.
+            known = idx.shape[:-1].concatenate(var.shape[idx.shape[-1] :]) if idx.shape.rank else None
             with record.stop_recording():  # a shape: nothing to differentiate, forward or back
-                rows_shape = array_ops.concat(
-                    [
-                        array_ops.shape(idx, out_type=idx.dtype)[:-1],
-                        gen_resource_variable_ops.variable_shape(old, out_type=idx.dtype)[idx.shape[-1] :],
-                    ],
-                    0,
+                # Static where known: XLA needs a constant shape for a
+                # broadcast differentiated in a loop (BroadcastGradientArgs).
+                rows_shape = (
+                    known.as_list()
+                    if known is not None and known.is_fully_defined()
+                    else array_ops.concat(
+                        [
+                            array_ops.shape(idx, out_type=idx.dtype)[:-1],
+                            gen_resource_variable_ops.variable_shape(old, out_type=idx.dtype)[idx.shape[-1] :],
+                        ],
+                        0,
+                    )
                 )
             updates = args["updates"] = array_ops.broadcast_to(updates, rows_shape)
         checks = [] if additive else _no_duplicates(var, idx, op_name)

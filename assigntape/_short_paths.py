@@ -34,7 +34,7 @@ from assigntape._tf import (
     resource_variable_ops,
     tensor_conversion_registry,
 )
-from assigntape._wrapping import Wrapper
+from assigntape._wrapping import Wrapper, unwrapped
 
 __all__ = [
     "METHODS",
@@ -83,8 +83,7 @@ def is_tensorflows(method: Any) -> bool:
 
 def _op(snake: str) -> Callable[..., Any]:
     """The generated op function itself, not our wrapper of it (installed or not)."""
-    op = getattr(gen_resource_variable_ops, snake)
-    return op.__wrapped__ if isinstance(op, Wrapper) else op
+    return unwrapped(getattr(gen_resource_variable_ops, snake))
 
 
 _GENERATED = vars(gen_resource_variable_ops)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import wrapt
 
-__all__ = ["Place", "Wrapper", "bind", "binds", "holds", "like", "params_of", "patch"]
+__all__ = ["Place", "Wrapper", "bind", "binds", "holds", "like", "params_of", "patch", "unwrapped"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -34,6 +34,13 @@ class Wrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]  # (as above)
     # TensorFlow's own functions unconverted either way.)
     autograph_info__: Dict[str, Any] = {}
     __bound_function_wrapper__ = _BoundWrapper
+
+
+def unwrapped(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` itself if it is not our wrapper; else the function it wraps
+    (a generated op the library runs without being seen by its own patch)."""
+    inner: Callable[..., Any] = function.__wrapped__ if isinstance(function, Wrapper) else function
+    return inner
 
 
 def patch(

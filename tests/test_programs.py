@@ -505,3 +505,49 @@ def test_random_programs_variable_targets(program, compiled):
     for i, grads in enumerate(got):
         expected = oracle.gradient(store.final(i), {"vars": tensors, "params": tuple(params)})
         assert_grads_close(grads, expected, rtol=rtol, atol=atol)
+
+
+# The loop XLA differentiates in the same function: a loop in a cond branch
+# does not compile (a known limit), a tf.while_loop needs maximum_iterations
+# (struct_loop has none).
+_XLA_LOOP_LAYERS = [layers for layers in LAYERS if layers[0] == "loop"]
+
+
+@settings(max_examples=_n(12))
+@given(programs(compiled="xla"), st.sampled_from(_XLA_LOOP_LAYERS), st.sampled_from(["tf.gradients", "inner_tape"]))
+def test_random_programs_with_every_write_in_a_loop_differentiated_inside_xla(program, layers, way):
+    """Every write in a graph loop, the gradient taken inside the compiled
+    function while a persistent tape (``tf.gradients``) or an outer tape
+    records: TensorFlow then wraps the loop in a call that the gradient
+    rewrites, whose writes XLA must still order (``_branch_writes.written_again``)."""
+    vars0, params0, variables, params = state(program)
+
+    @tf.function(jit_compile=True)
+    def body(pred, one, *params):
+        params = list(params)  # placeholders of this graph, for tf.gradients
+        if way == "tf.gradients":
+            with AssignAwareTape(persistent=True) as tape:
+                tape.watch(params)
+                loss = interpret(program, ControlFlowStore(variables, [tape], pred, one, layers), params)
+                # tf.gradients through the loop, in the tape: its gradient is built in the same graph.
+                inner_params = tf.gradients(loss, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            return loss, tape.gradient(loss, {"vars": variables, "params": tuple(params)}), inner_params
+        with AssignAwareTape() as outer:
+            outer.watch(params)
+            with AssignAwareTape() as inner:
+                inner.watch(params)
+                loss = interpret(program, ControlFlowStore(variables, [outer, inner], pred, one, layers), params)
+            grads = inner.gradient(loss, {"vars": variables, "params": tuple(params)})
+        return loss, grads, list(grads["params"])
+
+    loss, grads, in_graph = body(tf.constant(True), tf.constant(1), *params)
+    expected_loss, expected, finals = rewrite_run(program)
+    rtol, atol = tolerances(program)
+    np.testing.assert_allclose(float(loss), float(expected_loss), rtol=rtol, atol=atol)
+    for got, want in zip([v.numpy() for v in variables], finals):
+        np.testing.assert_allclose(got, to_numpy(want), rtol=rtol, atol=atol)
+    for key, like in (("vars", vars0), ("params", params0)):
+        for got, want in zip(_none_as_zeros(grads[key], like), _none_as_zeros(expected[key], like)):
+            np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+    for got, want in zip(_none_as_zeros(in_graph, params0), _none_as_zeros(expected["params"], params0)):
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
