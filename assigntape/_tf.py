@@ -146,6 +146,7 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (while_v2, "while_loop", "writes in graph loops"),
     (cond_v2, "indexed_case", "tf.switch_case ops a tape recorded"),
     (gradients_util, "PossibleTapeGradientTypes", "conds, loops and calls in a graph prepared for higher order"),
+    (gradients_util, "_GradientsHelper", "the graph gradient of a fused kernel's version in a tape's graph"),
     (cond_v2, "_grad_fn", "a cond's gradient after tf.gradients added outputs to it"),
     (while_v2, "_create_grad_func", "a loop's gradient built while a tape records"),
     (backprop.GradientTape, "_push_tape", "pausing one tape while recording on others"),
