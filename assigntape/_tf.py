@@ -204,6 +204,8 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (Function, "_call", "a tf.function call, with the datasets among its arguments"),
     (ConcreteFunction, "__call__", "a concrete function's call, with the datasets among its arguments"),
     (iterator_ops.OwnedIterator, "_next_internal", "a dataset's functions run at each element"),
+    (dataset_ops.DatasetV1, "_make_initializable_iterator", "a TF1 iterator, noted with its dataset"),
+    (dataset_ops.DatasetV1, "_make_one_shot_iterator", "a TF1 iterator, noted with its dataset"),
     (script_ops, "_internal_py_func", "py_function bodies run when a tape's graph runs"),
     (saved_model_save, "_trace_gradient_functions", "refusing to save the gradients of a tape's writes"),
 ]

@@ -272,9 +272,7 @@ class KernelCall:
             with tf.GradientTape() as plain:
                 plain.watch(list(inputs.values()))
                 values, loss, _, counts = compiled(*inputs.values())
-            grads = plain.gradient(
-                loss, {**variables, **inputs}, unconnected_gradients=tf.UnconnectedGradients.ZERO
-            )
+            grads = plain.gradient(loss, {**variables, **inputs}, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         else:
             jit = mode in ("xla", "tf_gradients_xla")
             run = body if mode == "eager" else tf.function(body, jit_compile=jit)
