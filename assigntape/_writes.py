@@ -110,10 +110,7 @@ def write_here(
     else:
         result = run(**arguments)
     _resuming.note_write_while_closed(handle, var)
-    if scope.key is None or result is None:
-        new = _versions.new_version(old, result)
-    else:
-        new = _branch_writes.symbolic_version(var, old, result, write.inputs, write.backward)
+    new = _branch_writes.top_version(scope, var, old, result, write.inputs, write.backward)
     if write.reads_old:
         # A partial write reads the old value, but a variable that was never
         # read is not watched yet, and an unwatched input is not recorded:
@@ -140,7 +137,8 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
     The real kernel then computes the values the program sees. Each written
     variable gets a new version, recorded as an identity of its functional
     value: the backward pass is TensorFlow's gradient of the form, correct to
-    any order.
+    any order. In a graph the graph's own gradient follows it the same way
+    (``_form_backward``), as a rule's write's follows its rule.
     """
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -219,14 +217,9 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
             var = tracked.get(name)
             if var is None:
                 continue
-            if scope.key is None:
-                new = _versions.new_version(old[name], result)
-            else:
-                # The graph's own gradient (tf.gradients, a tape around a call
-                # of the function) goes through the form, as for a rule's write.
-                new = _branch_writes.symbolic_version(
-                    var, old[name], result, sources, _form_backward(new_values[name], sources)
-                )
+            # (No form eagerly while nothing records: no graph gradient to follow.)
+            backward = _form_backward(new_values[name], sources) if new_values else _rules.identity_backward
+            new = _branch_writes.top_version(scope, var, old[name], result, sources, backward)
             if recording:
                 record.record_operation(
                     op_name, [new], [new_values[name]], _rules.identity_backward, forward_function=lambda t: [t]
