@@ -126,6 +126,20 @@ def symbolic_version(var: Any, old: Any, write_result: Any, inputs: List[Any], b
     return _versions.same_handle_attributes(old, handle)
 
 
+def top_version(
+    scope: Any, var: Any, old: Any, write_result: Any, inputs: List[Any], backward: Callable[..., Any]
+) -> Any:
+    """The new version of a write to ``var`` at the top level of ``scope``
+    (a write op's, a fused kernel's, a cond's or loop's output): eagerly a
+    fresh handle; in the tape's graph one that the graph's own gradient
+    (``tf.gradients``, TensorFlow's gradient of a call of the function)
+    follows back to ``inputs`` by ``backward`` (``symbolic_version``), as
+    the tapes do by their record. Unrecorded."""
+    if scope.key is None or write_result is None:
+        return _versions.new_version(old, write_result)
+    return symbolic_version(var, old, write_result, inputs, backward)
+
+
 def _is_branch_version(op: Any) -> bool:
     """A version handle made by IdentityN (in a body, or for tf.gradients)."""
     if op.type != "IdentityN":
@@ -510,13 +524,7 @@ def _leave(scope: Any, parent: Any, var: Any, value: Any, what: str) -> None:
         write_in_body(scope, parent, around, [var], lambda body: _branch_version(body, var, value, value), what)
         return
     old = scope.current_version(var)
-    if scope.key is None:
-        new = _versions.new_version(old, value)
-    else:
-        # Connected to the value in the graph too, as a write at the top level
-        # is: the graph's own gradient (tf.gradients, and TensorFlow's
-        # gradient of a call of the function) follows it.
-        new = symbolic_version(var, old, value, [value], _rules.identity_backward)
+    new = top_version(scope, var, old, value, [value], _rules.identity_backward)
     record.record_operation(what, [new], [value], _rules.identity_backward, forward_function=lambda t: [t])
     scope.advance(var, old, new, _record.WriteRecord(what))
 

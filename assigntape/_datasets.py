@@ -23,7 +23,16 @@ import tensorflow as tf
 from assigntape import _branches, _dataset_graphs, _functions, _leases, _py_functions, _refusals, _registry, _versions
 from assigntape._tf import composite_tensor, dataset_ops, dtypes, executing_eagerly, iterator_ops, nest, ops
 
-__all__ = ["function_call", "multi_device_iterator", "next_element", "reduce_dataset", "save_dataset", "single_element"]
+__all__ = [
+    "function_call",
+    "graph_iterator",
+    "graph_next_element",
+    "multi_device_iterator",
+    "next_element",
+    "reduce_dataset",
+    "save_dataset",
+    "single_element",
+]
 
 # What to do instead: the runtime runs these functions, so
 # tf.config.run_functions_eagerly does not reach them.
@@ -149,6 +158,7 @@ def _guarded(writes: List[_functions.Write], where: str, run: Callable[[], Any])
     context = _context(writes, where)
     hidden = writes
     if not executing_eagerly():
+        _refuse_in_unordered_graph(writes, context)
         # A dataset made outside the graph being traced and captured: its
         # functions are not among the graph's, so a call of it from an
         # eager tape would not find the writes in its graph. (Not a dataset
@@ -174,6 +184,51 @@ def _guarded(writes: List[_functions.Write], where: str, run: Callable[[], Any])
     result = run()
     _functions.cut_writes(scope, variables, context)
     return result
+
+
+def _refuse_in_unordered_graph(writes: List[_functions.Write], context: str) -> None:
+    """In a TF1 graph (no automatic control dependencies) with a tape open in
+    this thread, a dataset function's write is refused as a write made there
+    directly is (``_refusals.refuse_unordered_graph``): the graph runs the
+    functions in no order the tape knows."""
+    for handle, op_type, _ in writes:
+        if handle is not None:
+            _refusals.refuse_unordered_graph([handle], f"{op_type} in {context}")
+
+
+def graph_iterator(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``DatasetV1._make_initializable_iterator`` and ``_make_one_shot_iterator``
+    (the TF1 iterator made), and ``Iterator.make_initializer`` (the TF1
+    iterator ``instance``, which may be initialized with several datasets):
+    the iterator is noted with its dataset, whose functions its ``get_next``
+    runs (``graph_next_element``). Always on: the iterator may be made before
+    the tape opens."""
+    result = wrapped(*args, **kwargs)
+    if isinstance(instance, iterator_ops.Iterator):
+        iterator, dataset = instance, kwargs.get("dataset", args[0] if args else None)
+    else:
+        iterator, dataset = result, instance
+    if isinstance(iterator, iterator_ops.Iterator) and isinstance(dataset, dataset_ops.DatasetV2):
+        try:
+            _graph_sources.setdefault(iterator, []).append(dataset)
+        except TypeError:
+            pass  # not weakly referable
+    return result
+
+
+_graph_sources: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
+
+
+def graph_next_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``Iterator.get_next`` and ``get_next_as_optional`` of a TF1 iterator:
+    the op built runs its datasets' functions, refused (in a TF1 graph, with a
+    tape open in this thread) where they write."""
+    if _idle():
+        return wrapped(*args, **kwargs)
+    writes = [w for dataset in _graph_sources.get(instance, ()) for w in _dataset_writes(dataset)]
+    if writes:
+        _refuse_in_unordered_graph(writes, _context(writes, "a TF1 iterator's get_next"))
+    return wrapped(*args, **kwargs)
 
 
 # Per thread, for each ``tf.function`` call running (its trace included), the

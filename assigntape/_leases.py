@@ -15,7 +15,7 @@ import threading
 import weakref
 from typing import Any, Dict, Set, Tuple
 
-__all__ = ["lock", "take", "give", "count", "closed", "closed_refs", "plain", "forget_other_threads"]
+__all__ = ["lock", "take", "give", "count", "closed", "closed_refs", "plain", "take_plain", "forget_other_threads"]
 
 # Reentrant: ``_patches`` installs and takes its lease under it in one step.
 lock = threading.RLock()
@@ -36,6 +36,16 @@ closed_refs: Set[Any] = closed.data  # type: ignore[attr-defined]
 # Plain tapes (and forward accumulators) that ran beside a tape of ours and
 # keep versions, until they are garbage (``_plain_tapes.lease``).
 plain: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# The thread each of ``plain`` ran in beside a tape of ours, which a forked
+# child that does not have it forgets.
+_plain_threads: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def take_plain(recorder: Any) -> None:
+    """``recorder`` (a plain tape or accumulator that ran beside a tape of
+    ours, in this thread) needs the patches until it is garbage."""
+    plain.add(recorder)
+    _plain_threads[recorder] = threading.get_ident()
 
 
 def take(holder: Any) -> None:
@@ -61,8 +71,14 @@ def count() -> int:
 
 def forget_other_threads() -> None:
     """In a forked child: the leases of the tapes opened by threads other than
-    this one, which do not exist here and will never close them, go."""
+    this one, which do not exist here and will never close them, go; and
+    those of the plain tapes that ran there, open or closed, which no code
+    here can let go either."""
     me = threading.get_ident()
     for key, (_, thread) in list(_open.items()):
         if thread != me:
             del _open[key]
+    for recorder, thread in list(_plain_threads.items()):
+        if thread != me:
+            plain.discard(recorder)
+            _plain_threads.pop(recorder, None)

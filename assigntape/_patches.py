@@ -261,6 +261,13 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (multi_device_iterator_ops.OwnedMultiDeviceIterator, "__init__", _datasets.multi_device_iterator),
         (gen_dataset_ops, "reduce_dataset", _datasets.reduce_op),
         (gen_experimental_dataset_ops, "save_dataset", _datasets.save_op),
+        # TF1 iterators in a graph, noted with their datasets, whose functions
+        # their get_next runs (_datasets).
+        (dataset_ops.DatasetV1, "_make_initializable_iterator", _datasets.graph_iterator),
+        (dataset_ops.DatasetV1, "_make_one_shot_iterator", _datasets.graph_iterator),
+        (iterator_ops.Iterator, "make_initializer", _datasets.graph_iterator),
+        (iterator_ops.Iterator, "get_next", _datasets.graph_next_element),
+        (iterator_ops.Iterator, "get_next_as_optional", _datasets.graph_next_element),
         # A tf.function given datasets or iterators as arguments (_datasets).
         (Function, "_call", _datasets.function_call),
         (ConcreteFunction, "__call__", _datasets.function_call),
@@ -366,6 +373,8 @@ _ALWAYS_ON = (
     _py_functions.py_function,
     _datasets.multi_device_iterator,
     _datasets.single_element,
+    _datasets.graph_iterator,
+    _datasets.graph_next_element,
     _control_gradients.branch_gradient,
     _control_gradients.loop_gradient,
     _serving.constructed,

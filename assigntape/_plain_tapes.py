@@ -513,7 +513,7 @@ def lease(instance: Any) -> None:
     """Keeps the patches installed until ``instance`` is garbage."""
     # The patches are installed: a plain tape has versions to keep only
     # beside a tape of ours.
-    _leases.plain.add(instance)
+    _leases.take_plain(instance)
 
 
 def _map(x: Any, versions: Optional[Dict[str, Any]], open_now: bool, recorder: Any = None) -> Any:

@@ -155,6 +155,7 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (while_v2, "while_loop", "writes in graph loops"),
     (cond_v2, "indexed_case", "tf.switch_case ops a tape recorded"),
     (gradients_util, "PossibleTapeGradientTypes", "conds, loops and calls in a graph prepared for higher order"),
+    (gradients_util, "_GradientsHelper", "the graph gradient of a fused kernel's version in a tape's graph"),
     (cond_v2, "_grad_fn", "a cond's gradient after tf.gradients added outputs to it"),
     (while_v2, "_create_grad_func", "a loop's gradient built while a tape records"),
     (backprop.GradientTape, "_push_tape", "pausing one tape while recording on others"),
@@ -215,6 +216,8 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (autograph_converter, "ConversionOptions", "the options of that conversion"),
     (ConcreteFunction, "__call__", "a concrete function's call, with the datasets among its arguments"),
     (iterator_ops.OwnedIterator, "_next_internal", "a dataset's functions run at each element"),
+    (dataset_ops.DatasetV1, "_make_initializable_iterator", "a TF1 iterator, noted with its dataset"),
+    (dataset_ops.DatasetV1, "_make_one_shot_iterator", "a TF1 iterator, noted with its dataset"),
     (script_ops, "_internal_py_func", "py_function bodies run when a tape's graph runs"),
     (saved_model_save, "_trace_gradient_functions", "refusing to save the gradients of a tape's writes"),
 ]

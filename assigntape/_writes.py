@@ -34,6 +34,7 @@ from assigntape._errors import WriteDtypeError
 from assigntape._tf import (
     dtypes,
     gen_resource_variable_ops,
+    gradients_util,
     ops,
     pywrap_tfe,
     record,
@@ -109,10 +110,7 @@ def write_here(
     else:
         result = run(**arguments)
     _resuming.note_write_while_closed(handle, var)
-    if scope.key is None or result is None:
-        new = _versions.new_version(old, result)
-    else:
-        new = _branch_writes.symbolic_version(var, old, result, write.inputs, write.backward)
+    new = _branch_writes.top_version(scope, var, old, result, write.inputs, write.backward)
     if write.reads_old:
         # A partial write reads the old value, but a variable that was never
         # read is not watched yet, and an unwatched input is not recorded:
@@ -139,7 +137,8 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
     The real kernel then computes the values the program sees. Each written
     variable gets a new version, recorded as an identity of its functional
     value: the backward pass is TensorFlow's gradient of the form, correct to
-    any order.
+    any order. In a graph the graph's own gradient follows it the same way
+    (``_form_backward``), as a rule's write's follows its rule.
     """
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -197,9 +196,13 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
         values: Dict[str, Any] = {}
         if recording:
             # Watched, as a read is (a never-read variable's start-of-tape version
-            # would not be), then read before the kernel overwrites them.
+            # would not be).
             for var in tracked.values():
                 resource_variable_ops.variable_accessed(var)
+        if recording or scope.key is not None:
+            # Read before the kernel overwrites them. In a graph always: the
+            # graph's own gradient follows the write whether tapes record or
+            # not, as it follows a rule's write (``write_here``).
             values = {
                 name: gen_resource_variable_ops.read_variable_op(handle, first.dtype) for name, handle in old.items()
             }
@@ -208,12 +211,15 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
             result = wrapped(**arguments)
         for name, handle in handles.items():
             _resuming.note_write_while_closed(handle, tracked.get(name))
-        new_values = _fused.new_values(kernel, values, arguments) if recording else {}
+        new_values = _fused.new_values(kernel, values, arguments) if values else {}
+        sources = _form_sources(kernel, values, arguments)
         for name in _fused.written(kernel, arguments):
             var = tracked.get(name)
             if var is None:
                 continue
-            new = _versions.new_version(old[name], result)
+            # (No form eagerly while nothing records: no graph gradient to follow.)
+            backward = _form_backward(new_values[name], sources) if new_values else _rules.identity_backward
+            new = _branch_writes.top_version(scope, var, old[name], result, sources, backward)
             if recording:
                 record.record_operation(
                     op_name, [new], [new_values[name]], _rules.identity_backward, forward_function=lambda t: [t]
@@ -223,6 +229,32 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
         return result
 
     return wrapper
+
+
+def _form_sources(kernel: _fused.Kernel, values: Dict[str, Any], arguments: Dict[str, Any]) -> List[Any]:
+    """What a fused kernel's functional form is differentiable in: the previous
+    values of the resources it writes and its inputs of type ``T``, each once
+    (a tensor given twice would get its gradient twice)."""
+    given = [*values.values(), *(arguments.get(name) for name in kernel.inputs)]
+    unique = {t.ref(): t for t in given if isinstance(t, tensor_lib.Tensor)}
+    return list(unique.values())
+
+
+def _form_backward(form: Any, sources: List[Any]) -> Callable[[Any], List[Any]]:
+    """The backward function of a fused kernel's version in a graph, from its
+    ``sources`` (``_form_sources``) to the version: TensorFlow's gradient of
+    the functional value ``form``. The form's ops are not the version's inputs,
+    so they run only when a gradient needs them, not at every step."""
+
+    def backward(g: Any) -> List[Any]:
+        # The form is in the tape's graph; the gradient may be built in another
+        # (a call's backward function), which captures what it uses.
+        grads: List[Any] = gradients_util._GradientsHelper(
+            [form], sources, grad_ys=_rules.identity_backward(g), src_graph=form.graph
+        )
+        return grads
+
+    return backward
 
 
 # Write ops whose kernels abort the process (TensorFlow 2.21) when given a

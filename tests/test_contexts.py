@@ -388,15 +388,21 @@ def _re(text: str) -> str:
 class _TapeModule(tf.Module):
     """A function holding a tape that writes: the hypergradient of one step."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = False) -> None:
         super().__init__()
         self.v = tf.Variable(V0, dtype=tf.float64, name="v_written")
+        self.fused = fused
 
     @tf.function(input_signature=[tf.TensorSpec((), tf.float64)])
     def step(self, x: Any) -> Any:
         with AssignAwareTape() as tape:
             tape.watch(x)
-            self.v.assign(self.v * x * E)
+            if self.fused:
+                # v - 1 (v - v x E) = v x E, by a fused optimizer kernel.
+                one = tf.constant(1.0, tf.float64)
+                tf.raw_ops.ResourceApplyGradientDescent(var=self.v.handle, alpha=one, delta=self.v - self.v * x * E)
+            else:
+                self.v.assign(self.v * x * E)
             y = tf.reduce_sum(self.v * self.v) * x
         return y, tape.gradient(y, x)
 
@@ -407,19 +413,24 @@ def _step_rewrite(x0: float) -> Tuple[float, float]:
     return s * x0**3, 3 * s * x0**2
 
 
-def test_saving_the_gradients_of_a_tapes_writes_is_refused_saying_why() -> None:
-    """TensorFlow's own error was a ValueError about IdentityN."""
-    module = _TapeModule()
+@pytest.mark.parametrize("fused", [False, True], ids=["assign", "fused_kernel"])
+def test_saving_the_gradients_of_a_tapes_writes_is_refused_saying_why(fused: bool) -> None:
+    """TensorFlow's own error was a ValueError about IdentityN (a fused
+    kernel's write was saved, its gradient silently cut)."""
+    module = _TapeModule(fused)
     with pytest.raises(SavedModelError, match="(?s)step.*experimental_custom_gradients=False"):
         tf.saved_model.save(module, os.path.join(tempfile.mkdtemp(), "m"))
 
 
-def test_a_loaded_function_computes_the_same_and_a_gradient_through_it_is_refused() -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["assign", "fused_kernel"])
+def test_a_loaded_function_computes_the_same_and_a_gradient_through_it_is_refused(fused: bool) -> None:
     """Saved without custom gradients: the loaded function's values and its
     own tape's gradient are the rewrite's; a gradient through it would be cut
     at the write (it was silently wrong), and is refused."""
     path = os.path.join(tempfile.mkdtemp(), "m")
-    tf.saved_model.save(_TapeModule(), path, options=tf.saved_model.SaveOptions(experimental_custom_gradients=False))
+    tf.saved_model.save(
+        _TapeModule(fused), path, options=tf.saved_model.SaveOptions(experimental_custom_gradients=False)
+    )
     loaded = tf.saved_model.load(path)
     x = tf.constant(X0, tf.float64)
     y, dy_dx = loaded.step(x)

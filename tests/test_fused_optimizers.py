@@ -228,34 +228,55 @@ class KernelCall:
         return float(self.loss({r: v.read_value() for r, v in variables.items()}))
 
     def tape_gradients(self, mode: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray], Dict[str, int]]:
-        """The written values, the tape's gradient w.r.t. every input and every
-        starting value, and each variable's number of versions."""
+        """The written values, the gradient w.r.t. every input and every
+        starting value, and each variable's number of versions. The gradient is
+        the tape's, or in ``graph`` modes the graph's own: ``tf.gradients`` in
+        the tape's function (``tf_gradients``), or a plain tape around a call
+        of the tape's function (``call``); ``_xla`` compiles the function."""
         variables = {r: tf.Variable(v, dtype=self.dtype, name=r) for r, v in self.old.items()}
         inputs = {a: tf.constant(v, self.dtype) for a, v in self.inputs.items()}
+        graph_mode = mode.removesuffix("_xla")
 
-        def body() -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]:
+        def body(*given: Any) -> Tuple[Dict[str, Any], Any, Dict[str, Any], Dict[str, Any]]:
+            args = dict(zip(inputs, given)) if given else inputs
+            own = [v.handle for v in variables.values()]  # each variable's version at tape start
             with AssignAwareTape() as tape:
-                tape.watch(list(inputs.values()))
+                tape.watch(list(args.values()))
                 if mode == "cond":
                     tf.cond(
                         tf.constant(True),
-                        lambda: (self.call(variables, inputs), tf.constant(0))[1],
+                        lambda: (self.call(variables, args), tf.constant(0))[1],
                         lambda: tf.constant(0),
                     )
                 elif mode == "loop":
-                    tf.while_loop(lambda i: i < 1, lambda i: (self.call(variables, inputs), i + 1)[1], [tf.constant(0)])
+                    tf.while_loop(lambda i: i < 1, lambda i: (self.call(variables, args), i + 1)[1], [tf.constant(0)])
                 else:
-                    self.call(variables, inputs)
+                    self.call(variables, args)
                 values = {r: v.read_value() for r, v in variables.items()}
                 loss = self.loss(values)
             # AdagradDA's new var does not depend on the previous one: zeros, which
             # the finite differences must agree with.
-            grads = tape.gradient(loss, {**variables, **inputs}, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            zero = tf.UnconnectedGradients.ZERO
+            if graph_mode == "tf_gradients":
+                found = tf.gradients(loss, [*own, *args.values()], unconnected_gradients=zero)
+                grads = dict(zip([*variables, *args], found))
+            elif graph_mode == "call":
+                grads = {}  # the plain tape around the call takes them
+            else:
+                grads = tape.gradient(loss, {**variables, **args}, unconnected_gradients=zero)
             counts = {r: tf.constant(len(tape.versions(v))) for r, v in variables.items()}
-            return values, grads, counts
+            return values, loss, grads, counts
 
-        run = body if mode == "eager" else tf.function(body, jit_compile=(mode == "xla"))
-        values, grads, counts = run()
+        if graph_mode == "call":
+            compiled = tf.function(body, jit_compile=mode.endswith("_xla"))
+            with tf.GradientTape() as plain:
+                plain.watch(list(inputs.values()))
+                values, loss, _, counts = compiled(*inputs.values())
+            grads = plain.gradient(loss, {**variables, **inputs}, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        else:
+            jit = mode in ("xla", "tf_gradients_xla")
+            run = body if mode == "eager" else tf.function(body, jit_compile=jit)
+            values, _, grads, counts = run()
         return (
             {r: v.numpy() for r, v in values.items()},
             {k: np.asarray(tf.convert_to_tensor(g)) for k, g in grads.items()},
@@ -337,6 +358,23 @@ CONTROL_FLOW_CASES = [
 
 @pytest.mark.parametrize("name, mode", COMPILED_CASES + CONTROL_FLOW_CASES)
 def test_kernel_values_and_gradients_compiled(name, mode):
+    _check_kernel(KernelCall(name, {}, {}, (5, 3), F64), mode)
+
+
+# The graph's own gradient through every kernel, as TensorFlow differentiates
+# the tape's function without the tape: tf.gradients in it, and a plain tape
+# around a call of it; compiled by XLA where XLA has the kernel.
+GRAPH_GRADIENT_CASES = [
+    pytest.param(name, f"{how}{xla}", id=f"{name}-{how}{xla}")
+    for name in sorted(_fused.KERNELS)
+    for how in ("tf_gradients", "call")
+    for xla in ("", "_xla")
+    if not xla or not (_fused.KERNELS[name].sparse or name in XLA_LESS)
+]
+
+
+@pytest.mark.parametrize("name, mode", GRAPH_GRADIENT_CASES)
+def test_kernel_graph_gradients(name, mode):
     _check_kernel(KernelCall(name, {}, {}, (5, 3), F64), mode)
 
 

@@ -309,3 +309,89 @@ def test_f10_wrap_function_traced_inside_an_eager_tape_is_refused() -> None:
     # The program with the write refused: y = w * w, dy/dw = 2 w0 = 4.
     assert float(t.gradient(y, w)) == pytest.approx(4.0)
     assert float(w.numpy()) == 2.0
+
+
+# A tf.data function that writes, pulled in a TF1 graph inside a tape: refused
+# as a direct write there is (its map function is traced with automatic control
+# dependencies, but the TF1 graph runs the dataset's functions in no order the
+# tape knows).
+def _writing_dataset(x: Any, w: Any) -> Any:
+    return tf.data.Dataset.from_tensors(tf.constant(3.0)).map(lambda e: (w.assign(w * x), e)[1])
+
+
+def _initializable(x: Any, w: Any) -> Any:
+    return tf.compat.v1.data.make_initializable_iterator(_writing_dataset(x, w)).get_next()
+
+
+def _reinitializable(x: Any, w: Any) -> Any:
+    ds = _writing_dataset(x, w)
+    it = tf.compat.v1.data.Iterator.from_structure(tf.float32, tf.TensorShape([]))
+    it.make_initializer(ds)
+    return it.get_next()
+
+
+def _optional(x: Any, w: Any) -> Any:
+    return tf.compat.v1.data.make_initializable_iterator(_writing_dataset(x, w)).get_next_as_optional()
+
+
+DATASET_PULLS = {
+    "initializable_iterator": _initializable,
+    "reinitializable_iterator": _reinitializable,
+    "get_next_as_optional": _optional,
+    "reduce": lambda x, w: _writing_dataset(x, w).reduce(tf.constant(0.0), lambda s, e: s + e),
+    "get_single_element": lambda x, w: _writing_dataset(x, w).get_single_element(),
+}
+
+
+@pytest.mark.parametrize("pull", sorted(DATASET_PULLS))
+def test_f11_dataset_write_pulled_in_a_tf1_graph_is_refused(pull: str) -> None:
+    def build(x: Any, w: Any) -> None:
+        with pytest.raises(AssignTapeError, match="tf.data function") as caught:
+            DATASET_PULLS[pull](x, w)
+        assert "'w'" in str(caught.value)
+        raise caught.value
+
+    _refused_in_graph(build)
+
+
+def test_f11_iterator_made_before_the_tape_is_refused_at_get_next() -> None:
+    g = tf.Graph()
+    with g.as_default():
+        x, w = _variables()
+        it = tf.compat.v1.data.make_initializable_iterator(_writing_dataset(x, w))
+        with AssignAwareTape():
+            with pytest.raises(AssignTapeError, match=REFUSED):
+                it.get_next()
+        # Outside every tape: plain TensorFlow (w1 = w0 x = 3).
+        e = it.get_next()
+        with tf.compat.v1.Session(graph=g) as s:
+            s.run(tf.compat.v1.global_variables_initializer())
+            s.run(it.initializer)
+            assert s.run(e) == pytest.approx(3.0)
+            assert s.run(w) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("pull", ["iterator", "reduce"])
+def test_a_dataset_that_only_reads_in_a_tf1_graph_is_as_tensorflow(pull: str) -> None:
+    """The element is e = 3 w = 6 (w = 2), read by the map; y = e x = 9. The
+    element is no function of x for the gradient: dy/dx = e = 6, dy/dw none
+    (tf.data's ops have no gradient), as a plain tape answers."""
+    g = tf.Graph()
+    with g.as_default():
+        x, w = _variables()
+        ds = tf.data.Dataset.from_tensors(tf.constant(3.0)).map(lambda c: c * w)
+        with AssignAwareTape() as t:
+            if pull == "iterator":
+                it = tf.compat.v1.data.make_initializable_iterator(ds)
+                e = it.get_next()
+            else:
+                e = ds.reduce(tf.constant(0.0), lambda s, c: s + c)
+            y = e * x
+        gx, gw = t.gradient(y, [x, w])
+        assert gw is None
+        with tf.compat.v1.Session(graph=g) as s:
+            s.run(tf.compat.v1.global_variables_initializer())
+            if pull == "iterator":
+                s.run(it.initializer)
+            out = s.run([y, gx])
+    np.testing.assert_allclose(out, [9.0, 6.0], rtol=1e-6)

@@ -273,6 +273,57 @@ def test_a_tape_closed_by_another_thread_before_a_fork_is_refused_when_entered_a
     assert "CHILD EXIT 0" in done.stdout and "PARENT OK" in done.stdout, done.stdout
 
 
+# A plain tape that ran beside an AssignAwareTape in another thread, both
+# closed and still referenced there (the thread's frame), holds the patches in
+# the parent; in a forked child, which does not have that thread, it must not.
+_FORK_CLOSED_PLAIN = """
+    import os, signal, threading
+    import tensorflow as tf
+    from assigntape import AssignAwareTape, uninstall
+
+    ready, finish = threading.Event(), threading.Event()
+
+    def worker():
+        v, x = tf.Variable([1.0, 2.0]), tf.Variable(3.0)
+        with tf.GradientTape() as plain, AssignAwareTape() as tape:
+            v.assign(v * x)
+            y = tf.reduce_sum(v * v)
+        plain.gradient(y, x)
+        ready.set()
+        finish.wait()  # plain and tape still referenced by this frame
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    ready.wait()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(240)  # a child that hangs dies (SIGALRM), failing the test
+        try:
+            uninstall()
+            os._exit(0)
+        except Exception as e:
+            print("CHILD uninstall:", type(e).__name__, e, flush=True)
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    print("CHILD EXIT", os.waitstatus_to_exitcode(status), flush=True)
+    # In the parent the worker's plain tape still holds the patches.
+    try:
+        uninstall()
+        print("PARENT uninstalled while the plain tape lives", flush=True)
+    except RuntimeError:
+        print("PARENT OK", flush=True)
+    finish.set()
+    thread.join()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork")
+def test_a_forked_child_forgets_the_plain_tapes_of_threads_it_does_not_have():
+    done = _run_python(_FORK_CLOSED_PLAIN)
+    assert done.returncode == 0, f"{done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
+    assert "CHILD EXIT 0" in done.stdout and "PARENT OK" in done.stdout, done.stdout
+
+
 # -- an exception at every line of a tape's way in and out ----------------------
 
 
