@@ -330,8 +330,10 @@ def accumulator_exit(instance: Any) -> None:
     """After ``ForwardAccumulator.__exit__``: notes the versions current now,
     which a variable given to ``jvp`` after the block means
     (``accumulator_jvp``). (The patch is ``accumulator_exit_method``'s.)"""
-    # (Taking TensorFlow's accumulator off the set changes no version.)
-    snapshot = _snapshot()
+    # (Taking TensorFlow's accumulator off the set changes no version.) With
+    # the versions it went on from and did not read again, as a plain tape's
+    # exit keeps them (entered a third time, it goes on from them).
+    snapshot = _snapshot(instance)
     if snapshot is not None:
         setattr(instance, _END, snapshot)
     _closed(instance, snapshot)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Tuple
 
+import pytest
 import tensorflow as tf
 
+import assigntape
 from assigntape import AssignAwareTape
 
 X = 3.0
@@ -99,3 +101,56 @@ def test_accumulators_keep_their_nesting_order_when_one_entered_again_goes_on():
     assert float(ref_inner_jvp) == 36.0 and float(expected) == 24.0
     assert float(inner_jvp) == float(ref_inner_jvp)
     assert found is not None and float(found) == float(expected)
+
+
+@pytest.mark.parametrize("kind", ["tf", "assigntape"])
+@pytest.mark.parametrize("between", ["nothing", "an exception", "another tape's write", "a read in a tape"])
+def test_an_accumulator_entered_a_third_time_goes_on_from_what_it_left_unread(kind: str, between: str) -> None:
+    """Entered again inside a new tape without reading ``v``, then a third
+    time alone: it still goes on from its own version of ``v`` (as a plain
+    tape does). Rewrite: v1 = v0 x = 6, w = v1^2, dw/dx = 2 v1 v0 = 24."""
+    x = tf.constant(X)
+    v = tf.Variable(V0)
+    make = tf.autodiff.ForwardAccumulator if kind == "tf" else assigntape.ForwardAccumulator
+    acc = make(x, tf.constant(1.0))
+    with AssignAwareTape():
+        with acc:
+            v.assign(v * x)
+    try:
+        with AssignAwareTape():
+            with acc:
+                if between == "an exception":
+                    raise ValueError("inside")
+    except ValueError:
+        pass
+    if between == "another tape's write":
+        u = tf.Variable(1.0)
+        with AssignAwareTape():
+            u.assign(u * x)
+    if between == "a read in a tape":
+        with AssignAwareTape():
+            _ = v * 1.0
+    with acc:
+        w = v * v
+    assert float(acc.jvp(w, unconnected_gradients="zero")) == 2 * (V0 * X) * V0
+
+
+@pytest.mark.parametrize("kind", ["tf", "assigntape"])
+def test_variables_left_unread_in_an_entry_keep_their_versions_for_the_next(kind: str) -> None:
+    """Records v <- v x and u <- u x; entered again in a new tape, reads only
+    v; entered a third time alone, reads u and v. Rewrite: u1 = u0 x = 3,
+    d(u1^2)/dx = 2 u1 u0 = 6; v1 = 6, d(v1^2)/dx = 2 v1 v0 = 24."""
+    x = tf.constant(X)
+    v, u = tf.Variable(V0), tf.Variable(1.0)
+    make = tf.autodiff.ForwardAccumulator if kind == "tf" else assigntape.ForwardAccumulator
+    acc = make(x, tf.constant(1.0))
+    with AssignAwareTape():
+        with acc:
+            v.assign(v * x)
+            u.assign(u * x)
+    with AssignAwareTape():
+        with acc:
+            _ = v * 1.0
+    with acc:
+        w, z = u * u, v * v
+    assert [float(acc.jvp(t, unconnected_gradients="zero")) for t in (w, z)] == [6.0, 24.0]
