@@ -137,13 +137,21 @@ def set_aside(accumulator: Any) -> Iterator[None]:
         yield
         return
     # (An exception at any line, a KeyboardInterrupt, puts it back if it was
-    # taken out: ``_place`` notes it in the line that does it.)
+    # taken out: ``_place`` notes it in the line that does it, and the putting
+    # back runs once more if interrupted.)
     try:
         _place(accumulator, False)
         yield
     finally:
-        if not accumulator._recording:
-            _place(accumulator, True)
+        try: _put_back(accumulator)  # noqa: E701  # fmt: skip
+        except BaseException:
+            _put_back(accumulator)
+            raise
+
+
+def _put_back(accumulator: Any) -> None:
+    if not accumulator._recording:
+        _place(accumulator, True)
 
 
 def _place(accumulator: Any, recording: bool) -> None:
