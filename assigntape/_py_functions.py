@@ -73,12 +73,12 @@ class _Always:
 
 
 def _in_data_function() -> bool:
-    """Whether the py_function is being traced in a ``tf.data`` function
-    (tf.data's ``StructuredFunctionWrapper`` traces it: its frame is on the stack)."""
+    """Whether the py_function is being made for a ``tf.data`` function
+    (tf.data's ``StructuredFunctionWrapper`` traces it, or, in tf.data's debug
+    mode, makes the function itself a py_function: its frames are on the stack)."""
     frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
-        code = frame.f_code
-        if code.co_name == "wrapper_helper" and code.co_filename.endswith("structured_function.py"):
+        if frame.f_code.co_filename.endswith("structured_function.py"):
             return True
         frame = frame.f_back
     return False
