@@ -87,7 +87,8 @@ def _graph_writes(graph: Any) -> Dict[int, str]:
     for op in graph.get_operations():
         if _writes_anything(op.type):
             for t in op.inputs:
-                if id(t) in position:
+                # (Only a resource is written: the written value may be an input too.)
+                if id(t) in position and t.dtype == dtypes.resource:
                     written.setdefault(position[id(t)], op.type)
             continue
         callees = _called_graphs(op, graph) if op.type not in _PLAIN_OPS else []

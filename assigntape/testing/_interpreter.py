@@ -108,7 +108,13 @@ class VariableStore:
             inner = tf.function(lambda x: getattr(v, kind)(x))
             (inner if context == 0 else tf.function(lambda x: inner(x)))(value)
         elif context == 2:
-            for _ in tf.data.Dataset.from_tensors(value).map(lambda x: (getattr(v, kind)(x), x)[1]):
+            # Not run ahead (autotune's injected prefetch would run the map in
+            # tf.data's threads, which a tape refuses rather than cuts).
+            options = tf.data.Options()
+            options.autotune.enabled = False
+            options.experimental_optimization.inject_prefetch = False
+            ds = tf.data.Dataset.from_tensors(value).map(lambda x: (getattr(v, kind)(x), x)[1]).with_options(options)
+            for _ in ds:
                 pass
         else:
             tf.data.Dataset.from_tensors(value).reduce(np.int32(0), lambda s, x: (getattr(v, kind)(x), s)[1])
