@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import tensorflow as tf
 
 from assigntape import (
+    _compiled_tapes,
     _control_flow,
     _control_gradients,
     _datasets,
@@ -388,6 +389,11 @@ _ALWAYS_ON = (
     _plain_tapes.accumulator_jvp,
 )
 
+# Not dormant, and in place from import: a function in whose graph a tape
+# was open holds that tape's variables while it runs, when no tape is open
+# anywhere too (``_compiled_tapes``); its dormant hook runs inside.
+_LEASED = (_functions.call_function,)
+
 # Followers that let the original run from the patched method's own frame
 # for an instance that needs no following (``_wrapping.patch``): one Python
 # frame fewer under a plain tape's backward pass.
@@ -439,6 +445,8 @@ def _maker(owner: Any, function: Callable[..., Any]) -> Callable[[Any], Any]:
         or function in _ACTING_CHECKS
     )
     active = function if plain else _dormant(function)
+    if function in _LEASED:
+        active = _compiled_tapes.leased(active)
     return lambda below: patch(owner, below, active, _PASSES.get(function))
 
 
@@ -459,7 +467,7 @@ def _put(owner: Any, name: str, function: Callable[..., Any]) -> None:
         _registry.acting_checks.append(place)
         return
     place.put(True)
-    if function not in _ALWAYS_ON and function not in _INSTALLED_ON:
+    if function not in _ALWAYS_ON and function not in _INSTALLED_ON and function not in _LEASED:
         _registry.switches.append(place.put)
 
 

@@ -209,12 +209,66 @@ def _unlist_unnamed_locked(scope: Scope) -> None:
 
 
 def _unlist_locked(scope: Scope) -> None:
+    if scope.seen and scope.key is not None:
+        _note_tape_graph(scope)
+    _unlist_listed_locked(scope)
+
+
+def unlist(scope: Scope) -> None:
+    """Unlists ``scope`` (a call's, ``_compiled_tapes``), noting nothing."""
+    with _all_lock: _unlist_call_locked(scope)  # noqa: E701 - see _list  # fmt: skip
+
+
+def _unlist_call_locked(scope: Scope) -> None:
+    _unlist_listed_locked(scope)
+    if id(scope) in _with_unnamed:  # (an iterator made meanwhile noted it: ``_datasets.note_ahead``)
+        _unlist_unnamed_locked(scope)
+
+
+def _unlist_listed_locked(scope: Scope) -> None:
     global _active_at
     if any(s is scope for s in _all_scopes):
         _all_scopes.remove(scope)
     if not _all_scopes:
         _serve_versions(False)
         _active_at = time.monotonic()
+
+
+# A tape opened in a ``tf.function``'s trace has a scope only while the
+# function is traced; its graph runs later, with no scope open. Each function
+# graph (and each graph it is traced in, which calls it) that held such a
+# scope, with the variables its tapes read or wrote: their ``_unique_id`` ->
+# a weak reference to the variable (None: only its id is known). A call of
+# such a graph holds them against other threads (``_compiled_tapes``).
+tape_graphs: "weakref.WeakKeyDictionary[Any, Dict[str, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _note_tape_graph(scope: Scope) -> None:
+    """``scope``, in a function's graph, goes: its graph, and those it is
+    traced in, note the variables it saw. (Run again, by an interrupted
+    tape's exit finished later, it notes the same.)"""
+    known = {v._unique_id: v for v in (*scope.owners.values(), *scope.canonical.values())}
+    _note_locked(scope.key, {uid: _weak(known.get(uid)) for uid in scope.seen})
+
+
+def note_calls_in(graph: Any, held: Dict[str, Any]) -> None:
+    """A function whose graph held ``held`` is called in ``graph`` (being
+    traced): ``graph``, and those it is traced in, hold them too."""
+    with _all_lock: _note_locked(graph, held)  # noqa: E701 - see _list  # fmt: skip
+
+
+def _note_locked(graph: Any, held: Dict[str, Any]) -> None:
+    # (A cond branch's or loop body's graph is traced in its function's.)
+    while getattr(graph, "building_function", False):
+        tape_graphs.setdefault(graph, {}).update(held)
+        graph = getattr(graph, "outer_graph", None)
+
+
+def _weak(var: Any) -> Any:
+    try:
+        return None if var is None else weakref.ref(var)
+    except TypeError:
+        return None  # not weakly referable: known by its id
 
 
 def open_here() -> bool:

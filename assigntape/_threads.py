@@ -13,9 +13,10 @@ import contextlib
 import os
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from assigntape import _leases, _registry
+from assigntape._compiled_tapes import CallScope
 from assigntape._errors import UntrackedWriteError
 from assigntape._registry import (
     _all_lock,
@@ -279,6 +280,12 @@ def tracked_in_other_thread(handle: Any, var: Optional[Any]) -> Optional[Any]:
     Its versions there are invisible here: a write from this thread would
     change what that tape reads while it credits its own version.
     """
+    found = _tracking(handle, var)
+    return None if found is None else found[0]
+
+
+def _tracking(handle: Any, var: Optional[Any]) -> Optional[Tuple[Any, Scope]]:
+    """``tracked_in_other_thread``'s variable, with the scope that tracks it."""
     if not _all_scopes or not executing_eagerly():
         return None
     mine = getattr(_tls, "scopes", None)
@@ -294,19 +301,30 @@ def tracked_in_other_thread(handle: Any, var: Optional[Any]) -> Optional[Any]:
     for scope in _other_threads():
         found = var if var is not None and var._unique_id in scope.seen else scope.owners.get(id(handle))
         if found is not None:
-            return found
+            return found, scope
     return None
 
 
 def refuse_other_thread(handle: Any, var: Optional[Any], op_name: str) -> None:
     """Refuses a write to a variable that a tape open in another thread has
-    read or written: that tape would read the value written here while it
-    credits its own version."""
-    found = tracked_in_other_thread(handle, var)
-    if found is not None and differentiable(found):
+    read or written (or, in a function that thread is running, a tape open
+    in its graph: ``_compiled_tapes``): that tape would read the value
+    written here while it credits its own version."""
+    tracking = _tracking(handle, var)
+    if tracking is None or not differentiable(tracking[0]):
+        return
+    found, scope = tracking
+    here = f"{op_name} to variable {found.name!r} from thread {threading.current_thread().name!r}"
+    if isinstance(scope, CallScope):
         raise UntrackedWriteError(
-            f"{op_name} to variable {found.name!r} from thread {threading.current_thread().name!r}, "
-            "while an AssignAwareTape open in another thread has read or written it: that "
-            "tape would read the value written here and credit its own version, a silently "
-            "wrong gradient. Write the variable from the tape's thread, or after its tape closes."
+            f"{here}, while {scope.function} runs in thread {scope.thread_name!r}, and an "
+            "AssignAwareTape open in that function's graph reads or writes it: that tape would "
+            "read the value written here and credit its own version, a silently wrong gradient. "
+            "Write the variable before or after that call (synchronize the threads), or give "
+            "each thread its own variables."
         )
+    raise UntrackedWriteError(
+        f"{here}, while an AssignAwareTape open in another thread has read or written it: that "
+        "tape would read the value written here and credit its own version, a silently "
+        "wrong gradient. Write the variable from the tape's thread, or after its tape closes."
+    )
