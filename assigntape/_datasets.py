@@ -14,6 +14,7 @@ their graphs, as ``_functions`` does for a ``tf.function`` call, and refuse
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from typing import Any, Callable, List, Set, Tuple
@@ -520,12 +521,15 @@ def made_iterator(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
         return wrapped(*args, **kwargs)  # (in a graph, its next element is refused)
     writes = [w for w in _dataset_writes(dataset) if w[0] is not None]
     if not writes or not _runs_ahead(dataset):
-        return wrapped(*args, **kwargs)
+        wrapped(*args, **kwargs)
+        _note_made(instance)
+        return None
     if not _idle():
         where = "the making of an iterator, from which tf.data runs them ahead, in the background"
         _guarded(writes, where, lambda: wrapped(*args, **kwargs))
     else:
         wrapped(*args, **kwargs)
+    _note_made(instance)
     try:
         _ahead[instance] = writes
     except TypeError:
@@ -552,3 +556,80 @@ def note_ahead(scope: Any) -> None:
             )
             _refusals.note_unseen_writer(scope, own, op_type, refusal)
         del iterator
+
+
+# -- iterators captured by functions traced before import ------------------------
+# A function that pulls from an iterator it captured notes the iterator's
+# writes when traced (``_guarded``, from the iterator's next element); one
+# traced before ``import assigntape`` noted nothing, and its graph holds only
+# the iterator's resource. The iterator's Python object still holds its
+# dataset: found from the resource, among the iterators made since import
+# (``_made``) or, for one made before, among the resource's referrers.
+
+# id(an eager iterator's resource) -> the iterator, for those made since import.
+_made: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def _note_made(iterator: Any) -> None:
+    resource = getattr(iterator, "_iterator_resource", None)
+    if resource is not None:
+        try:
+            _made[id(resource)] = iterator
+        except TypeError:
+            pass  # not weakly referable: found among the referrers
+
+
+def captured_iterator_writes(function: Any, captured: List[Any]) -> List[_functions.Write]:
+    """The writes of the datasets of the iterators a concrete function
+    captured and pulls from (``captured``: its captured inputs), cached per
+    function (its captures do not change)."""
+    cached = _captured.get(function)
+    if cached is not None:
+        return cached
+    inputs = list(function.graph.inputs)
+    offset = len(inputs) - len(captured)
+    found: List[_functions.Write] = []
+    for i, handle in enumerate(captured):
+        if offset + i >= 0 and _pulled(inputs[offset + i], function.graph):
+            iterator = _iterator_of(handle)
+            if iterator is not None:
+                found += _iterator_writes(iterator)
+    try:
+        _captured[function] = found
+    except TypeError:
+        pass  # not weakly referable: found again next time
+    return found
+
+
+_captured: "weakref.WeakKeyDictionary[Any, List[_functions.Write]]" = weakref.WeakKeyDictionary()
+
+
+def _pulled(placeholder: Any, graph: Any) -> bool:
+    """Whether a resource input of ``graph`` is used by an iterator op, or
+    passed to a function (a loop body, a nested call) that may be one: not a
+    variable's, a table's, ... (only read or written in the graph itself)."""
+    if placeholder.dtype != dtypes.resource:
+        return False
+    return any(
+        "Iterator" in op.type or (op.type not in _functions._PLAIN_OPS and _functions._called_graphs(op, graph))
+        for op in placeholder.consumers()
+    )
+
+
+def _iterator_of(handle: Any) -> Any:
+    """The ``OwnedIterator`` whose resource ``handle`` is, if one lives."""
+    if not isinstance(handle, ops.EagerTensor):
+        return None
+    found = _made.get(id(handle))
+    if found is not None and getattr(found, "_iterator_resource", None) is handle:
+        return found
+    # Made before import: its object refers to the resource (directly, or
+    # through its ``__dict__``). Searched once per function (cached above).
+    referrers = gc.get_referrers(handle)
+    for holder in referrers + [h for r in referrers if type(r) is dict for h in gc.get_referrers(r)]:
+        if isinstance(holder, iterator_ops.OwnedIterator) and holder.__dict__.get("_iterator_resource") is handle:
+            return holder
+    return None
+
+
+_functions.captured_iterators = captured_iterator_writes

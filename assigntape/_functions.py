@@ -206,7 +206,7 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     tensor_inputs = list(arguments["tensor_inputs"])
     captured_in = list(arguments["captured_inputs"])
     if found is None:
-        outside = function_writes(instance, tensor_inputs + captured_in)
+        outside = function_writes(instance, tensor_inputs + captured_in) + captured_iterators(instance, captured_in)
         if outside:
             outside_writes(outside, _context(instance))
         return wrapped(*args, **kwargs)
@@ -228,7 +228,7 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
         h if v is None else _branches.version_in(scope, branch, v)
         for h, v in ((h, scope.canonical.get(id(h))) for h in captured_in)
     ]
-    found_writes = function_writes(instance, tensor_inputs + captured_in)
+    found_writes = function_writes(instance, tensor_inputs + captured_in) + captured_iterators(instance, captured_in)
     unlisted = [w for w in found_writes if w[0] is None]
     if len(unlisted) == len(found_writes):
         # Datasets known only by their variant: noted by the trace, or captured
@@ -422,6 +422,16 @@ def function_writes(function: Any, handles: List[Any]) -> List[Write]:
         (handles[i], op_type, function) for i, op_type in sorted(_written_inputs(function).items()) if i < len(handles)
     ]
     return found + [(h, op_type, function) for h, op_type, _ in _hidden_writes.get(function.graph, ())]
+
+
+def _no_iterators(function: Any, captured: List[Any]) -> List[Write]:
+    return []
+
+
+# The writes of the datasets of the iterators a function captured, which a
+# function traced before ``import assigntape`` did not note (its trace ran no
+# hook): ``_datasets.captured_iterator_writes``, set there (it imports this module).
+captured_iterators: Callable[[Any, List[Any]], List[Write]] = _no_iterators
 
 
 def note_hidden_writes(graph: Any, writes: List[Write]) -> None:

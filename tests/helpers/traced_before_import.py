@@ -1,9 +1,10 @@
 """Run in a fresh process (assigntape must not be imported yet): tf.functions
 that pull from a dataset they captured, traced (and run) before
 ``import assigntape``, then called from an AssignAwareTape. Their traces
-noted nothing, so the call scans the datasets they captured. Prints one JSON
-line: for each writing case, the error raised (or "none") and whether ``v``
-kept its value; for the quiet case, the gradients and the oracle's."""
+noted nothing, so the call scans the datasets (and the iterators) they
+captured. Prints one JSON line: for each writing case, the error raised (or
+"none") and whether ``v`` kept its value; for the quiet cases, the gradients
+and the oracle's."""
 
 from __future__ import annotations
 
@@ -49,7 +50,19 @@ def _made(writes: bool) -> Tuple[tf.Variable, tf.Variable, Dict[str, Callable[[]
             total += e
         return total
 
-    pulls = {"reduce": reduce, "next_of_new_iterator": next_of_new_iterator, "loop": loop}
+    # An iterator made before the import too: a resource the function captured.
+    iterator = iter(ds)
+
+    @tf.function
+    def next_of_captured_iterator() -> Any:
+        return next(iterator)
+
+    pulls = {
+        "reduce": reduce,
+        "next_of_new_iterator": next_of_new_iterator,
+        "loop": loop,
+        "next_of_captured_iterator": next_of_captured_iterator,
+    }
     for pull in pulls.values():
         pull()  # traced and run before import assigntape
     v.assign(V0)
@@ -57,7 +70,7 @@ def _made(writes: bool) -> Tuple[tf.Variable, tf.Variable, Dict[str, Callable[[]
 
 
 def main() -> None:
-    writing = {case: _made(True) for case in ("reduce", "next_of_new_iterator", "loop")}
+    writing = {case: _made(True) for case in ("reduce", "next_of_new_iterator", "loop", "next_of_captured_iterator")}
     v_read, x_read, quiet = _made(False)
 
     import assigntape  # noqa: F401  (after the traces)
@@ -76,12 +89,15 @@ def main() -> None:
         del tape, before, x
     # A dataset that only reads: y = sum(v) * e * x, by hand dy/dx = sum(v) * e,
     # dy/dv = e * x.
-    with AssignAwareTape() as tape:
-        e = quiet["reduce"]()
-        y = tf.reduce_sum(v_read) * e * x_read
-    gx, gv = tape.gradient(y, [x_read, v_read])
-    got: List[float] = [float(gx)] + [float(g) for g in gv.numpy()]
-    expected: List[float] = [float(V0.sum() * E)] + [E * X0] * 3
+    got: List[float] = []
+    expected: List[float] = []
+    for case in ("reduce", "next_of_captured_iterator"):
+        with AssignAwareTape() as tape:
+            e = quiet[case]()
+            y = tf.reduce_sum(v_read) * e * x_read
+        gx, gv = tape.gradient(y, [x_read, v_read])
+        got += [float(gx)] + [float(g) for g in gv.numpy()]
+        expected += [float(V0.sum() * E)] + [E * X0] * 3
     out["quiet"] = [got, expected]
     print(json.dumps(out))
 

@@ -1,0 +1,276 @@
+"""Another thread's write while a tape's compiled function runs (issue 36).
+
+Eagerly, a write from thread B to a variable that thread A's open tape read or
+wrote is refused (``UntrackedWriteError`` in B, nothing written). A tape opened
+inside a ``tf.function`` is open only while the function is traced; its graph
+runs at each call. A call of such a function holds the tape's variables for
+the call (``_compiled_tapes``), so that B's write during it is refused as
+eagerly, and A's gradient is the rewrite's.
+
+A's function pauses inside the tape (a ``numpy_function`` that signals B and
+waits for it): B's write lands there, between A's write and A's read, with
+no timing involved.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, Tuple
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from assigntape import AssignAwareTape, UntrackedWriteError, _registry
+
+V0 = np.array([1.5, -0.5, 2.0])
+X0 = 0.7
+E = 1.25
+WAIT = 120.0
+
+
+def _oracle() -> Tuple[np.ndarray, float]:
+    """The assignment-free rewrite of A's step: v1 = v0 * x * E, then
+    y = sum(v1 * v1) * x, differentiated under a plain tape: (v1, dy/dx)."""
+    x = tf.constant(X0, tf.float64)
+    with tf.GradientTape() as t:
+        t.watch(x)
+        v1 = tf.constant(V0) * x * E
+        y = tf.reduce_sum(v1 * v1) * x
+    return v1.numpy(), float(t.gradient(y, x))
+
+
+class _Pause:
+    """A point inside A's graph where A waits for B: ``numpy_function(pause)``."""
+
+    def __init__(self) -> None:
+        self.reached, self.go_on = threading.Event(), threading.Event()
+        self.fail = False
+
+    def __call__(self) -> np.float64:
+        if self.reached.is_set():
+            return np.float64(0.0)  # a later call (another thread's) does not wait
+        self.reached.set()
+        assert self.go_on.wait(WAIT)
+        if self.fail:
+            raise RuntimeError("A's function fails here")
+        return np.float64(0.0)
+
+    def in_graph(self, after: Any) -> Any:
+        with tf.control_dependencies([after]):
+            return tf.numpy_function(self, [], tf.float64)
+
+
+def _step(v: Any, x: Any, pause: _Pause, tape: str) -> Callable[[], Any]:
+    """A's step: write v, pause (B acts), read v; the gradient by ``tape``:
+    an AssignAwareTape, or a plain tape around one (followed beside it)."""
+
+    def body() -> Any:
+        v.assign(v * x * E)
+        z = pause.in_graph(tf.reduce_sum(v))
+        with tf.control_dependencies([z]):
+            return tf.reduce_sum(v * v) * x + z
+
+    def step() -> Any:
+        if tape == "assign_aware":
+            with AssignAwareTape() as t:
+                y = body()
+            return y, t.gradient(y, x)
+        with tf.GradientTape() as p:
+            with AssignAwareTape():
+                y = body()
+        return y, p.gradient(y, x)
+
+    return step
+
+
+def _while_paused(call: Callable[[], Any], pause: _Pause, act: Callable[[], Any]) -> Tuple[Any, Any]:
+    """Runs ``call`` in thread A; once A's graph pauses, ``act`` here (thread
+    B). Returns (A's result or exception, ``act``'s result or exception)."""
+    out: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["a"] = call()
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            out["a"] = error
+
+    thread = threading.Thread(target=run, name="thread-A")
+    thread.start()
+    try:
+        assert pause.reached.wait(WAIT), "A's function never reached its pause"
+        try:
+            b: Any = act()
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            b = error
+    finally:
+        pause.go_on.set()
+        thread.join(WAIT)
+    assert not thread.is_alive()
+    return out["a"], b
+
+
+def _assign(v: Any) -> Any:
+    return v.assign(v * 2.0)
+
+
+def _assign_add(v: Any) -> Any:
+    return v.assign_add(tf.ones_like(v))
+
+
+def _scatter(v: Any) -> Any:
+    return v.scatter_nd_update([[0]], tf.constant([9.0], tf.float64))
+
+
+def _scatter_slices(v: Any) -> Any:
+    return v.scatter_add(tf.IndexedSlices(tf.constant([1.0], tf.float64), tf.constant([1])))
+
+
+def _slice_assign(v: Any) -> Any:
+    return v[0:2].assign(tf.constant([3.0, 4.0], tf.float64))
+
+
+def _raw(v: Any) -> Any:
+    return tf.raw_ops.AssignVariableOp(resource=v.handle, value=tf.zeros_like(v))
+
+
+def _keras_step(v: Any) -> Any:
+    import keras
+
+    optimizer = keras.optimizers.SGD(0.5)
+    optimizer.build([v])
+    return optimizer.apply_gradients([(tf.ones_like(v), v)])
+
+
+def _compiled_write(v: Any) -> Any:
+    return tf.function(lambda: v.assign_sub(tf.ones_like(v)))()
+
+
+WRITES = [_assign, _assign_add, _scatter, _scatter_slices, _slice_assign, _raw, _keras_step, _compiled_write]
+
+
+def _compiled(step: Callable[[], Any], how: str) -> Callable[[], Any]:
+    if how == "function":
+        return tf.function(step)
+    if how == "concrete":
+        return tf.function(step).get_concrete_function()  # traced now; called directly
+    raise AssertionError(how)
+
+
+def _expect_refused(b: Any, v: Any) -> None:
+    assert isinstance(b, UntrackedWriteError), b
+    message = str(b)
+    assert v.name in message and "thread-A" in message and "tf.function" in message, message
+
+
+def _expect_right(a: Any, v: Any) -> None:
+    v1, dydx = _oracle()
+    assert not isinstance(a, Exception), a
+    np.testing.assert_allclose(a[1].numpy(), dydx, rtol=1e-12)
+    np.testing.assert_allclose(v.numpy(), v1, rtol=1e-12)  # nothing written by B
+
+
+@pytest.mark.parametrize("tape", ["assign_aware", "plain_beside"])
+@pytest.mark.parametrize("how", ["function", "concrete"])
+@pytest.mark.parametrize("write", WRITES, ids=lambda f: f.__name__.strip("_"))
+def test_another_threads_write_during_the_call_is_refused(write: Any, how: str, tape: str) -> None:
+    v = tf.Variable(V0, name="v_written")
+    x = tf.Variable(X0, dtype=tf.float64)
+    pause = _Pause()
+    call = _compiled(_step(v, x, pause, tape), how)
+    a, b = _while_paused(call, pause, lambda: write(v))
+    _expect_refused(b, v)
+    _expect_right(a, v)
+    assert not _registry._all_scopes  # the call's hold is gone
+
+
+@pytest.mark.parametrize("first", ["inner", "outer"])
+def test_a_jit_compiled_tape_function_called_in_another_function_holds_for_the_outer_call(first: str) -> None:
+    """The tape in a ``jit_compile`` function (XLA cannot pause inside it),
+    called by a plain compiled function that pauses before it: the outer
+    call holds the inner tape's variables, whether the inner function was
+    traced inside the outer's trace or before it."""
+    v = tf.Variable(V0, name="v_written")
+    x = tf.Variable(X0, dtype=tf.float64)
+    pause = _Pause()
+
+    @tf.function(jit_compile=True)
+    def inner() -> Any:
+        with AssignAwareTape() as t:
+            v.assign(v * x * E)
+            y = tf.reduce_sum(v * v) * x
+        return y, t.gradient(y, x)
+
+    @tf.function
+    def outer() -> Any:
+        z = pause.in_graph(tf.constant(0.0, tf.float64))
+        with tf.control_dependencies([z]):
+            return inner()
+
+    if first == "inner":
+        inner.get_concrete_function()
+    a, b = _while_paused(outer, pause, lambda: _assign(v))
+    _expect_refused(b, v)
+    _expect_right(a, v)
+
+
+def test_a_thread_with_its_own_variables_is_unaffected() -> None:
+    """B, in its own tape, writes its own variable, and B, outside every
+    tape, writes a variable A's tape does not touch: both as without A."""
+    v = tf.Variable(V0, name="v_written")
+    x = tf.Variable(X0, dtype=tf.float64)
+    w = tf.Variable(3.0, dtype=tf.float64)
+    u = tf.Variable(5.0, dtype=tf.float64)
+    pause = _Pause()
+
+    def b_acts() -> Any:
+        u.assign(u * 2.0)
+        with AssignAwareTape() as t:
+            w.assign(w * w)  # w1 = w0^2
+            y = w * 3.0  # dy/dw0 = 6 w0 = 18
+        return t.gradient(y, w)
+
+    a, b = _while_paused(tf.function(_step(v, x, pause, "assign_aware")), pause, b_acts)
+    assert not isinstance(b, Exception), b
+    assert float(b) == 18.0 and float(u) == 10.0 and float(w) == 9.0
+    _expect_right(a, v)
+
+
+def test_the_same_function_called_by_another_thread_meanwhile_is_refused() -> None:
+    """Two threads running one tape step on shared variables at once: the
+    second call writes what the first call's tape holds, refused before it runs."""
+    v = tf.Variable(V0, name="v_written")
+    x = tf.Variable(X0, dtype=tf.float64)
+    pause = _Pause()
+    step = tf.function(_step(v, x, pause, "assign_aware"))
+    step.get_concrete_function()
+    a, b = _while_paused(step, pause, step)
+    assert isinstance(b, UntrackedWriteError), b
+    assert "v_written" in str(b) and "thread-A" in str(b)
+    _expect_right(a, v)
+
+
+def test_the_hold_ends_with_the_call_however_it_ends() -> None:
+    """After the call returns, or fails, B writes freely; a function in
+    whose graph no tape was open holds nothing (plain TensorFlow's race)."""
+    v = tf.Variable(V0, name="v_written")
+    x = tf.Variable(X0, dtype=tf.float64)
+    pause = _Pause()
+    pause.fail = True
+    step = tf.function(_step(v, x, pause, "assign_aware"))
+    a, b = _while_paused(step, pause, lambda: None)
+    assert isinstance(a, Exception) and not _registry._all_scopes
+    v.assign(V0)  # from this thread, after the failed call: plain TensorFlow
+    np.testing.assert_array_equal(v.numpy(), V0)
+
+    plain_pause = _Pause()
+
+    @tf.function
+    def no_tape() -> Any:
+        z = plain_pause.in_graph(tf.reduce_sum(v))
+        with tf.control_dependencies([z]):
+            return tf.reduce_sum(v) + z
+
+    a, b = _while_paused(no_tape, plain_pause, lambda: _assign(v))
+    assert not isinstance(b, Exception), b
+    assert no_tape.get_concrete_function().graph not in _registry.tape_graphs
