@@ -105,21 +105,24 @@ def _check_reads(on: bool) -> None:
 def serve_handles(on: bool) -> None:
     """``_patches`` installs (``on``) or uninstalls: the descriptor is served
     from now on while a scope is open, or never."""
+    with _all_lock: _serve_handles_locked(on)  # noqa: E701 - see _list  # fmt: skip
+
+
+def _serve_handles_locked(on: bool) -> None:
     global _serving, _switched, _active_at
-    with _all_lock:
-        if on:
-            _serving = True
-            _serve_versions(bool(_all_scopes))
-            _switched, _active_at = True, time.monotonic()  # installing put them all in place
-        else:
-            _serve_versions(False)
-            _check_reads(False)
-            for place in acting_checks:
-                place.put(False)
-            _serving = _switched = False
-            read_checks.clear()
-            acting_checks.clear()
-            switches.clear()
+    if on:
+        _serving = True
+        _serve_versions(bool(_all_scopes))
+        _switched, _active_at = True, time.monotonic()  # installing put them all in place
+    else:
+        _serve_versions(False)
+        _check_reads(False)
+        for place in acting_checks:
+            place.put(False)
+        _serving = _switched = False
+        read_checks.clear()
+        acting_checks.clear()
+        switches.clear()
 
 
 def _switch(on: bool) -> None:
@@ -143,18 +146,21 @@ def idle(wait: Optional[float] = None) -> None:
     every tape calls TensorFlow's own functions from then on (until the next
     tape opens). Waiting keeps a loop that opens a tape every step from
     putting them on and off every step."""
-    global _active_at
     if time.monotonic() - _active_at < (IDLE_SECONDS if wait is None else wait):
         return
-    with _all_lock:
-        if _switched and not _all_scopes and not _leases.closed_refs:
-            if _leases.plain:
-                # A plain tape that ran beside one of ours keeps versions: its
-                # gradient must still map them (``_plain_tapes.gradient``).
-                # Asked again once it may be gone.
-                _active_at = time.monotonic()
-                return
-            _switch(False)
+    with _all_lock: _idle_locked()  # noqa: E701 - see _list  # fmt: skip
+
+
+def _idle_locked() -> None:
+    global _active_at
+    if _switched and not _all_scopes and not _leases.closed_refs:
+        if _leases.plain:
+            # A plain tape that ran beside one of ours keeps versions: its
+            # gradient must still map them (``_plain_tapes.gradient``).
+            # Asked again once it may be gone.
+            _active_at = time.monotonic()
+            return
+        _switch(False)
 
 
 def hold_closed(tape_record: Record) -> None:
@@ -287,12 +293,15 @@ def _count_acting(step: int) -> None:
     """One more (``step`` 1) or one fewer (-1) thread acting for a replica:
     the ``acting_checks`` are in place while any does (the replica threads a
     merge_call starts act at once)."""
+    with _all_lock: _count_acting_locked(step)  # noqa: E701 - see _list  # fmt: skip
+
+
+def _count_acting_locked(step: int) -> None:
     global _acting
-    with _all_lock:
-        _acting += step
-        if _serving and _acting == (1 if step > 0 else 0):
-            for place in acting_checks:
-                place.put(step > 0)
+    _acting += step
+    if _serving and _acting == (1 if step > 0 else 0):
+        for place in acting_checks:
+            place.put(step > 0)
 
 
 def _enclosing_scope(scopes: Dict[Any, Scope]) -> Optional[Scope]:

@@ -45,8 +45,8 @@ def _other_threads() -> List[Scope]:
     # and each touches its own components (though it may have looked at
     # another's, for its device).
     merging = getattr(_tls, "merging", ())
-    with _all_lock:
-        return [scope for scope in _all_scopes if scope.thread != me and scope not in merging]
+    with _all_lock: scopes = list(_all_scopes)  # noqa: E701 - see _registry._list  # fmt: skip
+    return [scope for scope in scopes if scope.thread != me and scope not in merging]
 
 
 def replica_scopes(strategy: Any, any_graph: bool = False) -> Dict[int, Scope]:
@@ -59,8 +59,7 @@ def replica_scopes(strategy: Any, any_graph: bool = False) -> Dict[int, Scope]:
     key = current_key()
     threads = {t.ident: t for t in threading.enumerate()}
     found: Dict[int, Scope] = {}
-    with _all_lock:
-        scopes = list(_all_scopes)
+    with _all_lock: scopes = list(_all_scopes)  # noqa: E701 - see _registry._list  # fmt: skip
     for scope in scopes:
         thread = threads.get(scope.thread)
         replica = getattr(thread, "replica_id", None)

@@ -676,11 +676,28 @@ def test_lock_regions_on_the_enter_and_exit_paths_are_one_line():
     import ast
     import inspect
 
-    from assigntape import _forward, _patches, _plain_tapes, _registry, _tape, _threads, _versions
+    from assigntape import (
+        _compiled_tapes,
+        _forward,
+        _patches,
+        _plain_tapes,
+        _refusals,
+        _registry,
+        _tape,
+        _threads,
+        _versions,
+    )
 
-    for module in (_registry, _versions, _patches, _plain_tapes, _tape, _forward, _threads):
+    for module in (_registry, _versions, _patches, _plain_tapes, _tape, _forward, _threads, _refusals, _compiled_tapes):
         tree = ast.parse(inspect.getsource(module))
         for node in ast.walk(tree):
+            if isinstance(node, ast.With) and "_all_lock" in ast.unparse(node.items[0].context_expr):
+                # Every region of the lock every tape takes (a replica's
+                # count in ``acting_for`` included): one statement, on the
+                # ``with`` line.
+                assert len(node.body) == 1 and node.body[0].end_lineno == node.lineno, (
+                    f"{module.__name__}:{node.lineno}"
+                )
             if isinstance(node, ast.With) and len(node.body) == 1:
                 # The regions on those paths call one ``*_locked`` helper.
                 call = ast.unparse(node.body[0])
