@@ -212,12 +212,42 @@ def graph_iterator(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs
     if isinstance(iterator, iterator_ops.Iterator) and isinstance(dataset, dataset_ops.DatasetV2):
         try:
             _graph_sources.setdefault(iterator, []).append(dataset)
+            # (Kept with the graph: a feedable iterator may be fed the handle of
+            # an iterator whose Python object is gone.)
+            _graph_datasets.setdefault(_graph_of(iterator), []).append(dataset)
         except TypeError:
             pass  # not weakly referable
+        if _graph_of(iterator) in _feedable and not _idle():
+            # A feedable iterator's get_next in this graph may be fed its handle.
+            writes = _dataset_writes(dataset)
+            if writes:
+                _refuse_in_unordered_graph(writes, _context(writes, _FEEDABLE))
     return result
 
 
 _graph_sources: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
+_graph_datasets: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
+# The graphs in which a feedable iterator's (``Iterator.from_string_handle``)
+# get_next was built: it runs the functions of whichever iterator's handle is
+# fed, any of the graph's.
+_feedable: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_FEEDABLE = "a feedable iterator's get_next (Iterator.from_string_handle), which may be fed this iterator's handle"
+_FROM_HANDLE = ("IteratorFromStringHandle", "IteratorFromStringHandleV2")
+
+
+def _graph_of(iterator: Any) -> Any:
+    return getattr(getattr(iterator, "_iterator_resource", None), "graph", None)
+
+
+def _feedable_writes(iterator: Any) -> List[_functions.Write]:
+    """For a feedable TF1 iterator (``from_string_handle``), the writes of
+    every dataset of the TF1 iterators made in its graph (it may be fed any
+    one's handle; one made later is refused when made: ``graph_iterator``)."""
+    resource: Any = getattr(iterator, "_iterator_resource", None)
+    if getattr(getattr(resource, "op", None), "type", None) not in _FROM_HANDLE:
+        return []
+    _feedable.add(resource.graph)
+    return [w for dataset in _graph_datasets.get(resource.graph, ()) for w in _dataset_writes(dataset)]
 
 
 def graph_next_element(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -229,6 +259,9 @@ def graph_next_element(wrapped: Callable[..., Any], instance: Any, args: Any, kw
     writes = [w for dataset in _graph_sources.get(instance, ()) for w in _dataset_writes(dataset)]
     if writes:
         _refuse_in_unordered_graph(writes, _context(writes, "a TF1 iterator's get_next"))
+    feedable = _feedable_writes(instance)
+    if feedable:
+        _refuse_in_unordered_graph(feedable, _context(feedable, _FEEDABLE.split(",")[0]))
     return wrapped(*args, **kwargs)
 
 

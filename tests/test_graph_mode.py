@@ -334,7 +334,25 @@ def _optional(x: Any, w: Any) -> Any:
     return tf.compat.v1.data.make_initializable_iterator(_writing_dataset(x, w)).get_next_as_optional()
 
 
+def _feedable(x: Any, w: Any) -> Any:
+    """A feedable iterator runs the functions of whichever iterator's handle
+    is fed: any of the graph's, here one whose dataset writes."""
+    tf.compat.v1.data.make_initializable_iterator(_writing_dataset(x, w))
+    handle = tf.compat.v1.placeholder(tf.string, [])
+    return tf.compat.v1.data.Iterator.from_string_handle(handle, tf.float32, tf.TensorShape([])).get_next()
+
+
+def _feedable_first(x: Any, w: Any) -> Any:
+    """The feedable iterator's get_next first, the writing iterator after
+    (refused as it is made: its handle may be fed there)."""
+    handle = tf.compat.v1.placeholder(tf.string, [])
+    tf.compat.v1.data.Iterator.from_string_handle(handle, tf.float32, tf.TensorShape([])).get_next()
+    return tf.compat.v1.data.make_initializable_iterator(_writing_dataset(x, w))
+
+
 DATASET_PULLS = {
+    "feedable_iterator": _feedable,
+    "feedable_iterator_first": _feedable_first,
     "initializable_iterator": _initializable,
     "reinitializable_iterator": _reinitializable,
     "get_next_as_optional": _optional,
@@ -371,7 +389,7 @@ def test_f11_iterator_made_before_the_tape_is_refused_at_get_next() -> None:
             assert s.run(w) == pytest.approx(3.0)
 
 
-@pytest.mark.parametrize("pull", ["iterator", "reduce"])
+@pytest.mark.parametrize("pull", ["iterator", "reduce", "feedable"])
 def test_a_dataset_that_only_reads_in_a_tf1_graph_is_as_tensorflow(pull: str) -> None:
     """The element is e = 3 w = 6 (w = 2), read by the map; y = e x = 9. The
     element is no function of x for the gradient: dy/dx = e = 6, dy/dw none
@@ -381,17 +399,23 @@ def test_a_dataset_that_only_reads_in_a_tf1_graph_is_as_tensorflow(pull: str) ->
         x, w = _variables()
         ds = tf.data.Dataset.from_tensors(tf.constant(3.0)).map(lambda c: c * w)
         with AssignAwareTape() as t:
-            if pull == "iterator":
+            if pull != "reduce":
                 it = tf.compat.v1.data.make_initializable_iterator(ds)
                 e = it.get_next()
-            else:
+            if pull == "feedable":
+                handle = tf.compat.v1.placeholder(tf.string, [])
+                e = tf.compat.v1.data.Iterator.from_string_handle(handle, tf.float32, tf.TensorShape([])).get_next()
+            if pull == "reduce":
                 e = ds.reduce(tf.constant(0.0), lambda s, c: s + c)
             y = e * x
         gx, gw = t.gradient(y, [x, w])
         assert gw is None
         with tf.compat.v1.Session(graph=g) as s:
             s.run(tf.compat.v1.global_variables_initializer())
-            if pull == "iterator":
+            feed = None
+            if pull != "reduce":
                 s.run(it.initializer)
-            out = s.run([y, gx])
+            if pull == "feedable":
+                feed = {handle: s.run(it.string_handle())}
+            out = s.run([y, gx], feed)
     np.testing.assert_allclose(out, [9.0, 6.0], rtol=1e-6)
