@@ -11,17 +11,25 @@ graph with the variables it saw (``_registry.tape_graphs``), and every call
 of such a graph lists, for the call, a scope of the calling thread that
 holds them (``CallScope``): the other-thread rule refuses what it would
 refuse with the tape open eagerly. A call of an unnoted graph costs one
-lookup.
+lookup (while no graph is noted in the process).
+
+The other way round: a function that writes, called in another thread before
+such a call, may write while it runs; its call checked the holds when it
+started. So, while any graph is noted, a call of a function that writes
+notes its variables for the call (``_writing``), and a call that holds one of
+them meanwhile is refused before it runs.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List, Tuple
 
 from assigntape import _registry
+from assigntape._errors import UntrackedWriteError
 from assigntape._tf import executing_eagerly, ops
-from assigntape._versions import Scope, canonical_handle
+from assigntape._versions import Scope, canonical_handle, differentiable, variable_of_handle
+from assigntape._wrapping import bind
 
 __all__ = ["CallScope", "leased"]
 
@@ -47,17 +55,21 @@ class CallScope(Scope):
                 self.owners[id(canonical_handle(var))] = var
 
 
-def leased(call: Hook) -> Hook:
+def leased(call: Hook, writes_of: Callable[[Any, List[Any]], List[Any]]) -> Hook:
     """The hook of ``ConcreteFunction._call_flat``: ``call`` (the hook of
     ``_functions``), run, for a graph in which a tape was open, with the
     variables that tape saw held by this thread (a ``CallScope``, listed for
     the call and unlisted however it ends). In a graph being traced, the
-    graph calling it is noted as holding them too."""
+    graph calling it is noted as holding them too. ``writes_of(function,
+    handles)``: the writes of a function given its inputs
+    (``_functions.function_writes``)."""
 
     def hook(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         held = _registry.tape_graphs.get(instance._func_graph)
         if held is None:
-            return call(wrapped, instance, args, kwargs)
+            if not _registry.tape_graphs or not executing_eagerly():
+                return call(wrapped, instance, args, kwargs)
+            return _writing(call, writes_of, wrapped, instance, args, kwargs)
         if not executing_eagerly():
             _registry.note_calls_in(ops.get_default_graph(), held)
             return call(wrapped, instance, args, kwargs)
@@ -67,6 +79,8 @@ def leased(call: Hook) -> Hook:
         # unlists once more.
         try:
             _registry._list(scope)
+            # (Listed first: a writing call starting now sees the hold, or is seen here.)
+            _refuse_running_writers(scope)
             return call(wrapped, instance, args, kwargs)
         finally:
             try: _registry.unlist(scope)  # noqa: E701 - see _registry._list  # fmt: skip
@@ -75,3 +89,52 @@ def leased(call: Hook) -> Hook:
                 raise
 
     return hook
+
+
+# The calls running now of functions that write variables (while some graph
+# is noted): a key of each call's own -> (its thread, the differentiable
+# variables it writes, ``_unique_id`` -> name, the function's name).
+_running: Dict[object, Tuple[int, Dict[str, str], str]] = {}
+
+
+def _writing(
+    call: Hook,
+    writes_of: Callable[[Any, List[Any]], List[Any]],
+    wrapped: Callable[..., Any],
+    instance: Any,
+    args: Any,
+    kwargs: Any,
+) -> Any:
+    """``call``, noted in ``_running`` for the call if the function writes."""
+    arguments = bind(("tensor_inputs", "captured_inputs"), args, kwargs)
+    handles = list(arguments["tensor_inputs"]) + list(arguments["captured_inputs"])
+    written: Dict[str, str] = {}
+    for handle, _, _ in writes_of(instance, handles):
+        var = variable_of_handle(handle)
+        if var is not None and differentiable(var):
+            written[var._unique_id] = var.name
+    if not written:
+        return call(wrapped, instance, args, kwargs)
+    key = object()
+    try:
+        _running[key] = (threading.get_ident(), written, str(instance._func_graph.name))
+        return call(wrapped, instance, args, kwargs)
+    finally:
+        _running.pop(key, None)
+
+
+def _refuse_running_writers(scope: CallScope) -> None:
+    """Refuses the call of ``scope`` if a function running in another thread
+    writes a variable it holds: its writes would land while the call's tape
+    reads and writes it, credited to the tape's version."""
+    me = threading.get_ident()
+    for thread, written, name in list(_running.values()):
+        both = sorted(written[uid] for uid in written if uid in scope.seen)
+        if thread != me and both:
+            raise UntrackedWriteError(
+                f"{scope.function} called in thread {scope.thread_name!r} while tf.function {name!r}, "
+                f"running in another thread, writes variable {both[0]!r}, which an AssignAwareTape open "
+                "in the called function's graph reads or writes: that tape would "
+                "credit the other thread's write to its own version, a silently wrong gradient. Call it "
+                "after the other call returns (synchronize the threads), or give each thread its own variables."
+            )

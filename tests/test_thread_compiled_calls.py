@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from assigntape import AssignAwareTape, UntrackedWriteError, _registry
+from assigntape import AssignAwareTape, UntrackedWriteError, _compiled_tapes, _registry
 
 V0 = np.array([1.5, -0.5, 2.0])
 X0 = 0.7
@@ -84,9 +84,12 @@ def _step(v: Any, x: Any, pause: _Pause, tape: str) -> Callable[[], Any]:
     return step
 
 
-def _while_paused(call: Callable[[], Any], pause: _Pause, act: Callable[[], Any]) -> Tuple[Any, Any]:
-    """Runs ``call`` in thread A; once A's graph pauses, ``act`` here (thread
-    B). Returns (A's result or exception, ``act``'s result or exception)."""
+def _while_paused(
+    call: Callable[[], Any], pause: _Pause, act: Callable[[], Any], name: str = "thread-A"
+) -> Tuple[Any, Any]:
+    """Runs ``call`` in a thread (A, by default); once its graph pauses,
+    ``act`` here (thread B). Returns (``call``'s result or exception,
+    ``act``'s result or exception)."""
     out: Dict[str, Any] = {}
 
     def run() -> None:
@@ -95,7 +98,7 @@ def _while_paused(call: Callable[[], Any], pause: _Pause, act: Callable[[], Any]
         except Exception as error:  # noqa: BLE001 - reported to the test
             out["a"] = error
 
-    thread = threading.Thread(target=run, name="thread-A")
+    thread = threading.Thread(target=run, name=name)
     thread.start()
     try:
         assert pause.reached.wait(WAIT), "A's function never reached its pause"
@@ -274,3 +277,48 @@ def test_the_hold_ends_with_the_call_however_it_ends() -> None:
     a, b = _while_paused(no_tape, plain_pause, lambda: _assign(v))
     assert not isinstance(b, Exception), b
     assert no_tape.get_concrete_function().graph not in _registry.tape_graphs
+
+
+def test_a_call_made_while_another_threads_writing_function_runs_is_refused() -> None:
+    """B's compiled function, called first (nothing held then), pauses
+    before its write to v; A's tape function is called meanwhile. Unrefused,
+    B's write would land inside A's tape and be credited to A's version
+    (dy/dx 39.8125 where the rewrite gives 14.93): A's call is refused before
+    it runs, and B's write lands whole."""
+    v = tf.Variable(V0, name="v_written")
+    x = tf.Variable(X0, dtype=tf.float64)
+    a_pause, b_pause = _Pause(), _Pause()
+    step = tf.function(_step(v, x, a_pause, "assign_aware"))
+    step.get_concrete_function()  # traced now: its graph holds v from its first call
+
+    @tf.function
+    def b_writes() -> Any:
+        with tf.control_dependencies([b_pause.in_graph(tf.constant(0.0))]):
+            v.assign(v * 2.0)
+
+    a_done = threading.Event()
+    out: Dict[str, Any] = {}
+
+    def a_calls() -> None:
+        try:
+            out["a"] = step()
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            out["a"] = error
+        finally:
+            a_done.set()
+
+    def b_running() -> Any:
+        thread = threading.Thread(target=a_calls, name="thread-A")
+        thread.start()
+        # A is refused at once, or (unrefused) pauses inside its tape: B's write lands there.
+        while not (a_done.is_set() or a_pause.reached.is_set()):
+            a_done.wait(0.01)
+        return thread
+
+    _, thread = _while_paused(b_writes, b_pause, b_running, name="thread-B")
+    a_pause.go_on.set()
+    thread.join(WAIT)
+    assert isinstance(out["a"], UntrackedWriteError), out["a"]
+    assert "v_written" in str(out["a"]) and "b_writes" in str(out["a"]) and "thread-A" in str(out["a"])
+    np.testing.assert_array_equal(v.numpy(), V0 * 2.0)  # B's write only
+    assert not _registry._all_scopes and not _compiled_tapes._running
