@@ -15,7 +15,7 @@ only, and is refused whatever the variable.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
@@ -23,7 +23,7 @@ from assigntape import _rules
 from assigntape._errors import ControlFlowWriteError, UntrackedWriteError
 from assigntape._tf import dtypes, gen_dataset_ops, graph_pb2, ops
 
-__all__ = ["UNLISTED_FIXES", "captured_writes", "context", "refuse_unlisted", "unlisted_writes"]
+__all__ = ["UNLISTED_FIXES", "captured_writes", "context", "per_function", "refuse_unlisted", "unlisted_writes"]
 
 
 class _Unlisted:
@@ -74,11 +74,21 @@ _cache: Dict[int, Tuple[Any, List[Tuple[Any, str, Any]]]] = {}
 def captured_writes(function: Any, captured: List[Any]) -> List[Tuple[Any, str, Any]]:
     """``unlisted_writes`` of the dataset variants a concrete function
     captured (cached per function: its captures do not change)."""
-    cached = _captures.get(function)
+    return per_function(
+        _captures,
+        function,
+        lambda: [w for h in captured if getattr(h, "dtype", None) == dtypes.variant for w in unlisted_writes(h)],
+    )
+
+
+def per_function(cache: Any, function: Any, find: Callable[[], List[Any]]) -> List[Any]:
+    """``find()``, cached in ``cache`` (weakly keyed) for ``function``: what
+    its captures hold (they do not change)."""
+    cached: Optional[List[Any]] = cache.get(function)
     if cached is None:
-        cached = [w for h in captured if getattr(h, "dtype", None) == dtypes.variant for w in unlisted_writes(h)]
+        cached = find()
         try:
-            _captures[function] = cached
+            cache[function] = cached
         except TypeError:
             pass  # not weakly referable: found again next time
     return cached

@@ -616,9 +616,10 @@ def captured_iterator_writes(function: Any, captured: List[Any]) -> List[_functi
     """The writes of the datasets of the iterators a concrete function
     captured and pulls from (``captured``: its captured inputs), cached per
     function (its captures do not change)."""
-    cached = _captured.get(function)
-    if cached is not None:
-        return cached
+    return _dataset_graphs.per_function(_captured, function, lambda: _find_captured(function, captured))
+
+
+def _find_captured(function: Any, captured: List[Any]) -> List[_functions.Write]:
     inputs = list(function.graph.inputs)
     offset = len(inputs) - len(captured)
     found: List[_functions.Write] = []
@@ -627,10 +628,6 @@ def captured_iterator_writes(function: Any, captured: List[Any]) -> List[_functi
             iterator = _iterator_of(handle)
             if iterator is not None:
                 found += _iterator_writes(iterator)
-    try:
-        _captured[function] = found
-    except TypeError:
-        pass  # not weakly referable: found again next time
     return found
 
 

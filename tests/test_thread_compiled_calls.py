@@ -84,6 +84,14 @@ def _step(v: Any, x: Any, pause: _Pause, tape: str) -> Callable[[], Any]:
     return step
 
 
+def _outcome(call: Callable[[], Any]) -> Any:
+    """``call()``'s result, or the exception it raised."""
+    try:
+        return call()
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        return error
+
+
 def _while_paused(
     call: Callable[[], Any], pause: _Pause, act: Callable[[], Any], name: str = "thread-A"
 ) -> Tuple[Any, Any]:
@@ -91,21 +99,11 @@ def _while_paused(
     ``act`` here (thread B). Returns (``call``'s result or exception,
     ``act``'s result or exception)."""
     out: Dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["a"] = call()
-        except Exception as error:  # noqa: BLE001 - reported to the test
-            out["a"] = error
-
-    thread = threading.Thread(target=run, name=name)
+    thread = threading.Thread(target=lambda: out.update(a=_outcome(call)), name=name)
     thread.start()
     try:
         assert pause.reached.wait(WAIT), "A's function never reached its pause"
-        try:
-            b: Any = act()
-        except Exception as error:  # noqa: BLE001 - reported to the test
-            b = error
+        b = _outcome(act)
     finally:
         pause.go_on.set()
         thread.join(WAIT)
@@ -300,12 +298,8 @@ def test_a_call_made_while_another_threads_writing_function_runs_is_refused() ->
     out: Dict[str, Any] = {}
 
     def a_calls() -> None:
-        try:
-            out["a"] = step()
-        except Exception as error:  # noqa: BLE001 - reported to the test
-            out["a"] = error
-        finally:
-            a_done.set()
+        out["a"] = _outcome(step)
+        a_done.set()
 
     def b_running() -> Any:
         thread = threading.Thread(target=a_calls, name="thread-A")
