@@ -31,7 +31,7 @@ from assigntape._tf import executing_eagerly, ops
 from assigntape._versions import Scope, canonical_handle, differentiable, variable_of_handle
 from assigntape._wrapping import bind
 
-__all__ = ["CallScope", "leased"]
+__all__ = ["CallScope", "forget_other_threads", "leased"]
 
 Hook = Callable[[Callable[..., Any], Any, Any, Any], Any]
 
@@ -121,6 +121,15 @@ def _writing(
         return call(wrapped, instance, args, kwargs)
     finally:
         _running.pop(key, None)
+
+
+def forget_other_threads() -> None:
+    """In a forked child: the writing calls of the threads that do not exist
+    there will never end, and must not refuse its calls."""
+    me = threading.get_ident()
+    for key, (thread, _, _) in list(_running.items()):
+        if thread != me:
+            _running.pop(key, None)
 
 
 def _refuse_running_writers(scope: CallScope) -> None:

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from assigntape import _leases, _registry
+from assigntape import _compiled_tapes, _leases, _registry
 from assigntape._compiled_tapes import CallScope
 from assigntape._errors import UntrackedWriteError
 from assigntape._registry import (
@@ -231,6 +231,7 @@ def _after_fork_in_child() -> None:
     keep the descriptor served). Their scopes and leases go."""
     try:
         _leases.forget_other_threads()
+        _compiled_tapes.forget_other_threads()
         me = threading.get_ident()
         gone = [scope for scope in _all_scopes if scope.thread != me]
         for scope in gone:

@@ -191,6 +191,54 @@ _FORK = """
 """
 
 
+# Another thread is running a tf.function that writes ``v`` (paused before its
+# write) when the main thread forks, in a process that traced a tape in a
+# function: its call is noted as writing ``v`` (``_compiled_tapes._running``),
+# so that a call of the tape's function would be refused meanwhile. In the
+# child, which does not have that thread, the call never ends: it is
+# forgotten, and binds nothing there.
+_FORK_WRITER = """
+    import os, threading, time
+    import numpy as np
+    import tensorflow as tf
+    from assigntape import AssignAwareTape, _compiled_tapes
+
+    v, x = tf.Variable(1.0), tf.Variable(3.0)
+    opened, finish = threading.Event(), threading.Event()
+
+    def pause():
+        opened.set()
+        finish.wait()
+        return np.float32(0.0)
+
+    @tf.function
+    def writer():
+        with tf.control_dependencies([tf.numpy_function(pause, [], tf.float32)]):
+            v.assign(v * 2.0)
+
+    @tf.function
+    def step():
+        with AssignAwareTape() as t:
+            v.assign(v * x)
+            y = v * v
+        return t.gradient(y, x)
+
+    step()
+    thread, pid = fork_when(writer, opened)
+    if pid == 0:
+        os._exit(0 if not _compiled_tapes._running else 1)
+    print("PARENT NOTED", len(_compiled_tapes._running), flush=True)
+    wait_for_child(pid, finish, thread)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork")
+def test_a_forked_child_forgets_the_writing_calls_of_threads_it_does_not_have():
+    done = _run_python(_FORK_HELPERS + _FORK_WRITER)
+    assert done.returncode == 0, f"{done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
+    assert "PARENT NOTED 1" in done.stdout and "CHILD EXIT 0" in done.stdout, done.stdout
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork")
 def test_a_forked_child_is_not_bound_by_tapes_of_threads_it_does_not_have():
     done = _run_python(_FORK_HELPERS + _FORK)
