@@ -11,9 +11,10 @@ it fails or is silently wrong.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Dict, List
 
-from assigntape import _branches, _registry, _versions
+from assigntape import _branches, _graph_gradients, _registry, _versions
 from assigntape._branch_writes import (
     _branch_version,
     _entering,
@@ -175,6 +176,41 @@ def while_loop(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
             if any(v is request[1] for v in carried):
                 raise
             carried.append(request[1])
+
+
+# Per thread, the loop bodies being traced that carry written variables:
+# (the body's graph, the variables, their values handed in as loop state).
+_carried_in = threading.local()
+
+
+def refuse_jvp_in_body(targets: Any, made_in: Any) -> None:
+    """``ForwardAccumulator.jvp`` asked inside a compiled loop body that
+    writes a variable, of a value computed from that variable's value there:
+    that value is loop state, whose tangent (the variable's version's at the
+    loop's start, or the last iteration's) TensorFlow does not hand the body
+    (it carries it only from the loop's start to its end): the jvp would
+    drop it. Refused, naming the variable. (After the loop the jvp is right.) Not for an accumulator made in the body (``made_in``: the graph
+    it was made in): for it the loop state has no tangent."""
+    stack = getattr(_carried_in, "stack", None)
+    if not stack:
+        return
+    graph = ops.get_default_graph()
+    for body_graph, carried, values in reversed(stack):
+        if body_graph is not graph:
+            continue
+        if made_in is graph:
+            return
+        flat = [t for t in nest.flatten(targets) if getattr(t, "graph", None) is graph]
+        for var, value in zip(carried, values):
+            if _graph_gradients._reaches(flat, {id(value)}):
+                raise ControlFlowWriteError(
+                    f"ForwardAccumulator.jvp inside a compiled loop body that writes variable "
+                    f"{var.name!r}, of a value computed from it: there the variable's value is loop "
+                    "state, whose tangent TensorFlow does not hand the body (the jvp would drop it). "
+                    "Take the jvp after the loop, or unroll the loop in Python (range instead of "
+                    "tf.range)."
+                )
+        return
 
 
 def _refuse_read_tangents(scope: Any, token: Any, carried: List[str]) -> None:
@@ -349,7 +385,12 @@ def _carrying(
                 # This iteration's value of v is the state it was handed.
                 _branch_version(body, v, value, value)
             _inherit(body)
-            out = _read_now(user_body(*state))
+            stack = _carried_in.__dict__.setdefault("stack", [])
+            stack.append((ops.get_default_graph(), carried, values))
+            try:
+                out = _read_now(user_body(*state))
+            finally:
+                stack.pop()
             _refuse_read_tangents(scope, token, uids)
         finally:
             _branches.close_branch(body)

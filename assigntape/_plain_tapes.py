@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from assigntape import (
     _branch_writes,
     _branches,
+    _control_flow,
     _forks,
     _leases,
     _recorders,
@@ -47,6 +48,7 @@ from assigntape._tf import (
     UnconnectedGradients,
     array_ops,
     backprop,
+    executing_eagerly,
     gen_resource_variable_ops,
     nest,
 )
@@ -82,6 +84,8 @@ _LATEST = "_assigntape_latest"
 # (the graph, the versions it held there, a Record that notes the writes
 # made while it is closed), while a recorder that held versions is closed.
 _HELD = "_assigntape_held"
+# The graph (None: eagerly) an accumulator was made in.
+_MADE_IN = "_assigntape_made_in"
 # The variables rebase_for_recorder read on a tape that does not watch
 # accessed variables (unique ids).
 _REBASED = "_assigntape_rebased"
@@ -305,6 +309,8 @@ def reset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) ->
 def accumulator_enter(instance: Any) -> None:
     """After ``ForwardAccumulator.__enter__``: followed as a plain tape is, for
     ``note_closing`` (the patch is ``accumulator_enter_method``'s)."""
+    # (Its first entry is its construction's: where it was made.)
+    instance.__dict__.setdefault(_MADE_IN, _registry.current_key())
     _opened(instance)
 
 
@@ -366,6 +372,9 @@ def accumulator_jvp(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     """``ForwardAccumulator.jvp``: a variable means its latest version while
     the accumulator was open, also once it is closed (TensorFlow's reads the
     variable's own handle then)."""
+    if not executing_eagerly():
+        primals = args[0] if args else kwargs.get("primals")
+        _control_flow.refuse_jvp_in_body(primals, instance.__dict__.get(_MADE_IN))
     end = getattr(instance, _END, None)
     params = ("primals", "unconnected_gradients")
     if end is None or getattr(instance, "_recording", False) or not binds(params, 1, args, kwargs):
@@ -434,7 +443,7 @@ def _closed(instance: Any, ends: Optional[Dict[str, Any]], unseen: List[Any]) ->
         held = _resuming.owned(ends)
     # It may be entered again (a persistent tape, an accumulator): it then
     # goes on from the versions it held, so note the writes made meanwhile,
-    # as for a closed AssignAwareTape (``_resuming.note_write_while_closed``).
+    # as for a closed AssignAwareTape (``_versions.note_write_while_closed``).
     record = _recorders.record_for(instance) if held or ends is not None else None
     # What the exit changes comes last, each step of it able to run again:
     # after an exception in it (a KeyboardInterrupt), it runs once more.

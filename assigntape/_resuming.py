@@ -240,7 +240,13 @@ def latest_version(scope: Scope, var: Any, recorder: Any, known: Any) -> Any:
     gradient path: ``dirty``); else ``known``, the latest version the
     recorder itself knows (a tape of ours: its record's; a plain tape: the
     variable's own handle). Every kind of recorder asks this, a variable
-    target of ``gradient`` or ``jacobian``."""
+    target of ``gradient`` or ``jacobian``. (The two checks' order does not
+    matter: ``go_on_from`` puts a recorder among a version's knowing ones or
+    among the write's closed ones, never both. Where the answers of the two
+    kinds used to differ is ``known``: a tape of ours falls back to what its
+    record saw (its start version), a plain tape, which keeps no record, to
+    the variable's own handle; either is the version current when it was
+    entered, rule 6b.)"""
     own = canonical_handle(var)
     entry = scope.resumed.get(id(own))
     if entry is not None and among(entry[3], recorder):
