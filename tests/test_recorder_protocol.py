@@ -10,6 +10,8 @@ the same program on tensors, by hand, in the comments.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import tensorflow as tf
 from oracle import modes, run
@@ -17,42 +19,29 @@ from oracle import modes, run
 from assigntape import AssignAwareTape
 
 
-def _ours(v, x, written_meanwhile):
-    tape = AssignAwareTape(persistent=True)
-    with tape:
-        v.assign(3.0 * x)
-    if written_meanwhile:
-        v.assign(5.0)
-    with tape:  # entered again; v not read in it
-        return tape.gradient(v, x)
-
-
-def _plain(v, x, written_meanwhile):
-    tape = tf.GradientTape(persistent=True)
-    with tape:
+def _entered_again(kinds, v, x, written_meanwhile):
+    """Tapes of ``kinds`` (outermost first; an AssignAwareTape inside them
+    writes) enter, v is written, they exit, v may be written with none open,
+    and they are entered again: a variable target before v's first read."""
+    tapes = [make(persistent=True) for make in kinds]
+    with contextlib.ExitStack() as stack:
+        for tape in tapes:
+            stack.enter_context(tape)
         with AssignAwareTape():
             v.assign(3.0 * x)
     if written_meanwhile:
         v.assign(5.0)
-    with tape:  # entered again; v not read in it
-        return tape.gradient(v, x)
+    with contextlib.ExitStack() as stack:
+        for tape in tapes:
+            stack.enter_context(tape)  # entered again; v not read in it
+        return tuple(tape.gradient(v, x) for tape in tapes)
 
 
-def _both(v, x, written_meanwhile):
-    """Both kinds entered again together (the plain one outside)."""
-    plain = tf.GradientTape(persistent=True)
-    ours = AssignAwareTape(persistent=True)
-    with plain:
-        with ours:
-            v.assign(3.0 * x)
-    if written_meanwhile:
-        v.assign(5.0)
-    with plain:
-        with ours:
-            return ours.gradient(v, x), plain.gradient(v, x)
-
-
-KINDS = {"ours": _ours, "plain": _plain, "both": _both}
+KINDS = {
+    "ours": [AssignAwareTape],
+    "plain": [tf.GradientTape],
+    "both": [tf.GradientTape, AssignAwareTape],  # the plain one outside
+}
 
 
 @modes
@@ -62,8 +51,7 @@ def test_a_variable_target_before_its_first_read_in_a_tape_entered_again(mode, k
     x, v = tf.Variable(2.0), tf.Variable(1.0)
 
     def body():
-        grads = KINDS[kind](v, x, written_meanwhile)
-        grads = grads if isinstance(grads, tuple) else (grads,)
+        grads = _entered_again(KINDS[kind], v, x, written_meanwhile)
         return tuple(tf.constant(-1.0) if g is None else g for g in grads)
 
     # The rewrite: v1 = 3 x, d v1 / dx = 3; written meanwhile, v2 = 5 (a
