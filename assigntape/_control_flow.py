@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Dict, List
 
-from assigntape import _branches, _graph_gradients, _registry, _versions
+from assigntape import _branches, _graph_gradients, _recorders, _registry, _versions
 from assigntape._branch_writes import (
     _branch_version,
     _entering,
@@ -37,7 +37,6 @@ from assigntape._errors import ControlFlowWriteError
 from assigntape._tf import (
     control_flow_util,
     dtypes,
-    forwardprop,
     gen_resource_variable_ops,
     nest,
     ops,
@@ -268,7 +267,7 @@ _FORWARD_MODE_FAILURES = ("without handle data", "<dtype: 'variant'> is not comp
 
 def _accumulator_recording() -> bool:
     """Whether a forward accumulator (TensorFlow's or ours) records in this thread."""
-    return any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now())
+    return any(_recorders.is_accumulator(r) for r in _registry.recording_now())
 
 
 def _refuse_xla_forward_mode(op: Any, branches: List[Any]) -> None:
