@@ -11,9 +11,10 @@ it fails or is silently wrong.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Dict, List
 
-from assigntape import _branches, _registry, _versions
+from assigntape import _branches, _graph_gradients, _recorders, _registry, _versions
 from assigntape._branch_writes import (
     _branch_version,
     _entering,
@@ -36,7 +37,6 @@ from assigntape._errors import ControlFlowWriteError
 from assigntape._tf import (
     control_flow_util,
     dtypes,
-    forwardprop,
     gen_resource_variable_ops,
     nest,
     ops,
@@ -177,6 +177,41 @@ def while_loop(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
             carried.append(request[1])
 
 
+# Per thread, the loop bodies being traced that carry written variables:
+# (the body's graph, the variables, their values handed in as loop state).
+_carried_in = threading.local()
+
+
+def refuse_jvp_in_body(targets: Any, made_in: Any) -> None:
+    """``ForwardAccumulator.jvp`` asked inside a compiled loop body that
+    writes a variable, of a value computed from that variable's value there:
+    that value is loop state, whose tangent (the variable's version's at the
+    loop's start, or the last iteration's) TensorFlow does not hand the body
+    (it carries it only from the loop's start to its end): the jvp would
+    drop it. Refused, naming the variable. (After the loop the jvp is right.) Not for an accumulator made in the body (``made_in``: the graph
+    it was made in): for it the loop state has no tangent."""
+    stack = getattr(_carried_in, "stack", None)
+    if not stack:
+        return
+    graph = ops.get_default_graph()
+    for body_graph, carried, values in reversed(stack):
+        if body_graph is not graph:
+            continue
+        if made_in is graph:
+            return
+        flat = [t for t in nest.flatten(targets) if getattr(t, "graph", None) is graph]
+        for var, value in zip(carried, values):
+            if _graph_gradients._reaches(flat, {id(value)}):
+                raise ControlFlowWriteError(
+                    f"ForwardAccumulator.jvp inside a compiled loop body that writes variable "
+                    f"{var.name!r}, of a value computed from it: there the variable's value is loop "
+                    "state, whose tangent TensorFlow does not hand the body (the jvp would drop it). "
+                    "Take the jvp after the loop, or unroll the loop in Python (range instead of "
+                    "tf.range)."
+                )
+        return
+
+
 def _refuse_read_tangents(scope: Any, token: Any, carried: List[str]) -> None:
     """A loop body just traced reads a variable it does not write, through
     the variable's handle captured from outside, while a ``ForwardAccumulator``
@@ -232,7 +267,7 @@ _FORWARD_MODE_FAILURES = ("without handle data", "<dtype: 'variant'> is not comp
 
 def _accumulator_recording() -> bool:
     """Whether a forward accumulator (TensorFlow's or ours) records in this thread."""
-    return any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now())
+    return any(_recorders.is_accumulator(r) for r in _registry.recording_now())
 
 
 def _refuse_xla_forward_mode(op: Any, branches: List[Any]) -> None:
@@ -349,7 +384,12 @@ def _carrying(
                 # This iteration's value of v is the state it was handed.
                 _branch_version(body, v, value, value)
             _inherit(body)
-            out = _read_now(user_body(*state))
+            stack = _carried_in.__dict__.setdefault("stack", [])
+            stack.append((ops.get_default_graph(), carried, values))
+            try:
+                out = _read_now(user_body(*state))
+            finally:
+                stack.pop()
             _refuse_read_tangents(scope, token, uids)
         finally:
             _branches.close_branch(body)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from assigntape import _patches, _resolve, _resuming, _versions
+from assigntape import _patches, _recorders, _resolve, _resuming, _versions
 from assigntape._tape import AssignAwareTape
 from assigntape._tf import forwardprop, nest
 
@@ -131,7 +131,7 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
         pending = [own for own, closed_at_write in list(scope.dirty.values()) if record in closed_at_write]
         if not pending:
             return
-        with _resuming.set_aside(self):
+        with _recorders.set_aside(self):
             for own in pending:
                 var = _versions.variable_of_handle(own)
                 if var is not None:

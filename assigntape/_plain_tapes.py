@@ -31,8 +31,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from assigntape import (
     _branch_writes,
     _branches,
+    _control_flow,
     _forks,
     _leases,
+    _recorders,
     _registry,
     _resolve,
     _resuming,
@@ -46,7 +48,7 @@ from assigntape._tf import (
     UnconnectedGradients,
     array_ops,
     backprop,
-    forwardprop,
+    executing_eagerly,
     gen_resource_variable_ops,
     nest,
 )
@@ -82,6 +84,8 @@ _LATEST = "_assigntape_latest"
 # (the graph, the versions it held there, a Record that notes the writes
 # made while it is closed), while a recorder that held versions is closed.
 _HELD = "_assigntape_held"
+# The graph (None: eagerly) an accumulator was made in.
+_MADE_IN = "_assigntape_made_in"
 # The variables rebase_for_recorder read on a tape that does not watch
 # accessed variables (unique ids).
 _REBASED = "_assigntape_rebased"
@@ -102,14 +106,19 @@ def _is_plain(instance: Any) -> bool:
     return type(instance) is GRADIENT_TAPE or not getattr(instance, "_assigntape_aware", False)
 
 
-def _snapshot(recorder: Any = None) -> Optional[Dict[str, Any]]:
+def _snapshot(recorder: Any = None, unseen: Optional[List[Any]] = None) -> Optional[Dict[str, Any]]:
     """The versions current here, as a cond branch or loop body sees them
-    (and, for ``recorder``, those it goes on from, entered again)."""
+    (and, for ``recorder``, those it goes on from, entered again). ``unseen``
+    (if given) gets ``_resuming.unseen_writes(recorder)``, from the same pass
+    over the scope's writes where the scope is this graph's."""
     found = _branches.call_context()
     if found is None:
         return None
     scope, branch = found
-    snapshot = _resuming.versions_for(scope, recorder)
+    here = branch is None  # (the scope of this graph, or eager)
+    snapshot = _resuming.versions_for(scope, recorder, unseen if here else None)
+    if unseen is not None and not here:
+        unseen.extend(_resuming.unseen_writes(recorder))
     chain = []
     while branch is not None:
         chain.append(branch)
@@ -274,11 +283,12 @@ def exited(instance: Any) -> None:
     if _quiet():
         _forget_open(instance)
     else:
-        snapshot = _snapshot(instance)
+        unseen: List[Any] = []
+        snapshot = _snapshot(instance, unseen)
         if snapshot is not None:
             setattr(instance, _END, snapshot)
             lease(instance)
-        _closed(instance, snapshot)
+        _closed(instance, snapshot, unseen)
 
 
 def reset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -299,6 +309,8 @@ def reset(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) ->
 def accumulator_enter(instance: Any) -> None:
     """After ``ForwardAccumulator.__enter__``: followed as a plain tape is, for
     ``note_closing`` (the patch is ``accumulator_enter_method``'s)."""
+    # (Its first entry is its construction's: where it was made.)
+    instance.__dict__.setdefault(_MADE_IN, _registry.current_key())
     _opened(instance)
 
 
@@ -333,10 +345,11 @@ def accumulator_exit(instance: Any) -> None:
     # (Taking TensorFlow's accumulator off the set changes no version.) With
     # the versions it went on from and did not read again, as a plain tape's
     # exit keeps them (entered a third time, it goes on from them).
-    snapshot = _snapshot(instance)
+    unseen: List[Any] = []
+    snapshot = _snapshot(instance, unseen)
     if snapshot is not None:
         setattr(instance, _END, snapshot)
-    _closed(instance, snapshot)
+    _closed(instance, snapshot, unseen)
 
 
 def accumulator_exit_method(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -359,6 +372,9 @@ def accumulator_jvp(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     """``ForwardAccumulator.jvp``: a variable means its latest version while
     the accumulator was open, also once it is closed (TensorFlow's reads the
     variable's own handle then)."""
+    if not executing_eagerly():
+        primals = args[0] if args else kwargs.get("primals")
+        _control_flow.refuse_jvp_in_body(primals, instance.__dict__.get(_MADE_IN))
     end = getattr(instance, _END, None)
     params = ("primals", "unconnected_gradients")
     if end is None or getattr(instance, "_recording", False) or not binds(params, 1, args, kwargs):
@@ -409,12 +425,15 @@ def open_anywhere() -> int:
     return sum(ref() is not None for opened in list(_registry._plain_by_thread.values()) for ref, _ in list(opened))
 
 
-def _closed(instance: Any, ends: Optional[Dict[str, Any]] = None) -> None:
+def _closed(instance: Any, ends: Optional[Dict[str, Any]], unseen: List[Any]) -> None:
     """It exits: ``ends``, for a plain tape or accumulator exiting where a
-    tape of ours is about, the versions current now."""
+    tape of ours is about, the versions current now, and ``unseen`` the
+    writes it did not see (``_snapshot``: one pass over the scope's writes
+    gives both, and the versions it holds)."""
     _forget_open(instance)
-    held = _resuming.held_by(instance)
-    unseen = _resuming.unseen_writes(instance) if held or ends is not None else []
+    held = _resuming.held_by(instance, ends)
+    if held and ends is None:
+        unseen = _resuming.unseen_writes(instance)
     if not held and ends is not None:
         # Exited inside a tape of ours: if entered again after that one closed,
         # it goes on from the versions it last saw, as it would had the other
@@ -424,8 +443,8 @@ def _closed(instance: Any, ends: Optional[Dict[str, Any]] = None) -> None:
         held = _resuming.owned(ends)
     # It may be entered again (a persistent tape, an accumulator): it then
     # goes on from the versions it held, so note the writes made meanwhile,
-    # as for a closed AssignAwareTape (``_resuming.note_write_while_closed``).
-    record = _resuming.recorder_record(instance) if held or ends is not None else None
+    # as for a closed AssignAwareTape (``_versions.note_write_while_closed``).
+    record = _recorders.record_for(instance) if held or ends is not None else None
     # What the exit changes comes last, each step of it able to run again:
     # after an exception in it (a KeyboardInterrupt), it runs once more.
     try: _let_go(instance, held, unseen, record)  # noqa: E701  # fmt: skip
@@ -502,7 +521,7 @@ def note_closing() -> List[Any]:
         if instance is None:
             continue
         if opened_in is key:
-            if not isinstance(instance, forwardprop.ForwardAccumulator):
+            if not _recorders.is_accumulator(instance):
                 setattr(instance, _LATEST, snapshot)
                 lease(instance)
             holders.append(instance)
@@ -528,7 +547,7 @@ def _map(x: Any, versions: Optional[Dict[str, Any]], open_now: bool, recorder: A
             scope, branch = found
             if branch is None and recorder is not None and var._unique_id not in scope.current:
                 # Entered again, not read since: what it goes on from.
-                return _resuming.latest_unread(scope, var, recorder)
+                return _resuming.latest_version(scope, var, recorder, _versions.canonical_handle(var))
             return _branches.version_in(scope, branch, var)
     handle = versions.get(var._unique_id) if versions else None
     return _versions.canonical_handle(var) if handle is None else handle

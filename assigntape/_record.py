@@ -104,6 +104,10 @@ class Record:
         if tape is not None:
             tape._push_tape()
 
+    def stands_for(self, recorder: Any) -> bool:
+        """Whether this is ``recorder``'s record, or ``recorder`` itself."""
+        return self is recorder or self._tape() is recorder
+
     # -- versions -----------------------------------------------------------------
 
     def note_write(self, var: Any, old: Any, new: Any, write: WriteRecord) -> None:

@@ -10,54 +10,56 @@ again it goes on from its versions, lazily: at each variable's first read
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from assigntape import _leases
 from assigntape._record import Record, WriteRecord
-from assigntape._registry import _list, _scopes, _tls, current_key, open_plain
+from assigntape._recorders import among
+from assigntape._registry import _list, _scopes, _tls, current_key
 from assigntape._tf import (
-    forwardprop,
-    pywrap_tfe,
     record,
     resource_variable_ops,
 )
 from assigntape._versions import Scope, _drop, canonical_handle, new_version, variable_of_handle
+from assigntape._versions import _closed_records as _closed_records  # (re-exported)
+from assigntape._versions import note_write_while_closed as note_write_while_closed  # (re-exported)
 
 
-def _among(records: Sequence[Any], recorder: Any) -> bool:
-    """Whether ``recorder`` (a tape, or its record) is one of ``records``."""
-    return any(r is recorder or r._tape() is recorder for r in records)
-
-
-def held_by(holder: Any) -> Dict[str, Tuple[Any, Any]]:
+def held_by(holder: Any, versions: Optional[Dict[str, Any]] = None) -> Dict[str, Tuple[Any, Any]]:
     """The versions ``holder`` (a plain tape or forward accumulator closing)
-    holds in the current graph: unique id -> (handle, variable)."""
+    holds in the current graph: unique id -> (handle, variable).
+    ``versions``: ``versions_for(scope, holder)`` here, if already taken."""
     scope = _scopes().get(current_key())
     if scope is None or scope.records or not any(h is holder for h in scope.holders):
         return {}
-    return owned(versions_for(scope, holder))
+    return owned(versions_for(scope, holder) if versions is None else versions)
 
 
-def versions_for(scope: Scope, recorder: Any = None) -> Dict[str, Any]:
+def versions_for(scope: Scope, recorder: Any = None, unseen: Optional[List[Any]] = None) -> Dict[str, Any]:
     """The versions current in ``scope`` for ``recorder`` (a tape, or a
     record; None: for every tape): ``scope.current``, and the versions
     ``recorder``, entered again, goes on from, which become current at their
     variables' first read (``go_on_from``): until then, for the other tapes,
     the variable's own handle is its version. A variable written while it
     was closed and not read since gets a version it did not see made, kept
-    by the scope (the store's queries make nothing: this does)."""
+    by the scope (the store's queries make nothing: this does). In the same
+    pass over ``scope.dirty``, ``unseen`` (if given) gets what
+    ``unseen_writes`` would give, for ``scope`` the current graph's."""
     found = dict(scope.current)
     if recorder is None:
         return found
     for handle, var, _, knowing in scope.resumed.values():
-        if _among(knowing, recorder):
+        if among(knowing, recorder):
             found.setdefault(var._unique_id, handle)
     for own, closed in scope.dirty.values():
+        if not among(closed, recorder):
+            continue
         var = variable_of_handle(own)
-        if var is not None and var._unique_id not in found and _among(closed, recorder):
-            unseen = found[var._unique_id] = new_version(own, None)
-            scope.keep(var, unseen)
+        if unseen is not None and (var is None or var._unique_id not in scope.current):
+            unseen.append(own)
+        if var is not None and var._unique_id not in found:
+            new = found[var._unique_id] = new_version(own, None)
+            scope.keep(var, new)
     return found
 
 
@@ -73,7 +75,7 @@ def unseen_writes(recorder: Any, ids: bool = False) -> List[Any]:
     found = []
     for own, closed in scope.dirty.values():
         var = variable_of_handle(own)
-        if _among(closed, recorder) and (var is None or var._unique_id not in scope.current):
+        if among(closed, recorder) and (var is None or var._unique_id not in scope.current):
             found.append(id(own) if ids else own)
     return found
 
@@ -89,7 +91,7 @@ def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[i
 
     It does so at each variable's first read, as a tape of ours entered again
     does (``_resume_inside``; ``resuming`` is its record, which pauses it:
-    ``recorder_record``), also where a tape of ours opened since is open
+    ``_recorders.record_for``), also where a tape of ours opened since is open
     (which goes on from its own).
     """
     key = current_key()
@@ -100,99 +102,6 @@ def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[i
         scope.holders = [holder]
     if scope is not None:
         _resume_inside(scope, held, written, resuming)
-
-
-class AccumulatorRecord(Record):
-    """The record of a forward accumulator that may be entered again, paused
-    as a tape's record pauses its tape: set aside (``set_aside``)."""
-
-    def __init__(self, accumulator: Any) -> None:
-        super().__init__(accumulator)
-        self._paused = False
-
-    def recording_tape(self) -> Optional[Any]:
-        return None  # (an accumulator is on no tape stack)
-
-    def pause(self) -> None:
-        accumulator = self._tape()
-        if accumulator is not None and accumulator._recording:
-            _place(accumulator, False)
-            self._paused = True
-
-    def resume(self) -> None:
-        accumulator = self._tape()
-        if self._paused and accumulator is not None:
-            _place(accumulator, True)
-        self._paused = False
-
-
-@contextlib.contextmanager
-def set_aside(accumulator: Any) -> Iterator[None]:
-    """Runs the block with ``accumulator`` (recording) out of TensorFlow's
-    set of accumulators, as a tape popped (``_recording`` False), and puts
-    it back where it was: the accumulators entered after it are taken out
-    and put back around it, so that every accumulator keeps its nesting order
-    (an outer one records what an inner one computes)."""
-    if not accumulator._recording:
-        yield
-        return
-    # (An exception at any line, a KeyboardInterrupt, puts it back if it was
-    # taken out: ``_place`` notes it in the line that does it, and the putting
-    # back runs once more if interrupted.)
-    try:
-        _place(accumulator, False)
-        yield
-    finally:
-        try: _put_back(accumulator)  # noqa: E701  # fmt: skip
-        except BaseException:
-            _put_back(accumulator)
-            raise
-
-
-def _put_back(accumulator: Any) -> None:
-    if not accumulator._recording:
-        _place(accumulator, True)
-
-
-def _place(accumulator: Any, recording: bool) -> None:
-    """Puts ``accumulator`` in (``recording``) or takes it out of TensorFlow's
-    set of accumulators, where it was entered: the ones entered after it are
-    taken out first and put back after it."""
-    after = _entered_after(accumulator)
-    # Each change and its note on one line (no line between for an exception,
-    # a KeyboardInterrupt, to land on): TensorFlow's set refuses an
-    # accumulator added twice and crashes on one removed twice. The ones
-    # taken out are put back whatever happens.
-    removed: List[Any] = []
-    try:
-        for other in reversed(after): pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(other._accumulator); removed.append(other)  # noqa: E701, E702, E501  # fmt: skip
-        if recording and not accumulator._recording: pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator._accumulator); accumulator._recording = True  # noqa: E701, E702, E501  # fmt: skip
-        if not recording and accumulator._recording: pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(accumulator._accumulator); accumulator._recording = False  # noqa: E701, E702, E501  # fmt: skip
-    finally:
-        while removed: pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(removed[-1]._accumulator); removed.pop()  # noqa: E701, E702  # fmt: skip
-
-
-def _entered_after(accumulator: Any) -> List[Any]:
-    """The accumulators recording in this thread that were entered after
-    ``accumulator``, innermost last (``_registry.open_plain``)."""
-    found: List[Any] = []
-    seen = False
-    for ref, _ in open_plain():
-        other = ref()
-        if other is accumulator:
-            seen = True
-        elif seen and isinstance(other, forwardprop.ForwardAccumulator) and other._recording:
-            found.append(other)
-    return found
-
-
-def recorder_record(recorder: Any) -> Record:
-    """The record of a plain tape or forward accumulator that may be entered
-    again: the one interface (``Record``: recording, pause, resume) that the
-    versions it goes on from need of it, whatever kind of recorder it is."""
-    if isinstance(recorder, forwardprop.ForwardAccumulator):
-        return AccumulatorRecord(recorder)
-    return Record(recorder)
 
 
 def _resume_inside(scope: Scope, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], resuming: Record) -> None:
@@ -270,28 +179,9 @@ def release_holder(instance: Any) -> None:
 # re-entry such a write is, for that tape, a new version with no gradient path,
 # as a write under stop_recording is (see ``AssignAwareTape.__enter__``).
 # They are ``_leases.closed``: while any is there, the patches are needed.
+# (Noting a write on them is the version store's: ``Scope.advance``.)
 closed_tapes = _leases.closed
 _closed_refs = _leases.closed_refs
-
-
-def note_write_while_closed(handle: Any, var: Any = None) -> None:
-    """Notes, on every closed tape, that the variable behind ``handle`` (its
-    own handle, as served with no tape open) or ``var`` was written."""
-    if not _closed_refs:
-        return
-    own = handle if var is None else canonical_handle(var)
-    for r in _closed_records():
-        r.written_while_closed[id(own)] = own
-
-
-def _closed_records() -> Iterator[Record]:
-    """``closed_tapes``, through the weak set's own references, not its
-    iterator: every write inside a tape asks while a plain tape that exited
-    inside it lives, and the iterator's guard costs more than the rest."""
-    for ref in list(_closed_refs):
-        r = ref()
-        if r is not None:
-            yield r
 
 
 def forget_closed_writes(recorder: Any) -> None:
@@ -302,7 +192,7 @@ def forget_closed_writes(recorder: Any) -> None:
     it, as for the tapes opened since."""
     for scope in _scopes().values():
         for _, closed_at_write in scope.dirty.values():
-            closed_at_write[:] = [r for r in closed_at_write if not _among((r,), recorder)]
+            closed_at_write[:] = [r for r in closed_at_write if not r.stands_for(recorder)]
 
 
 # What made a version written while a tape was closed, as that tape sees it.
@@ -341,16 +231,27 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
     return new
 
 
-def latest_unread(scope: Scope, var: Any, recorder: Any) -> Any:
-    """A variable target's version for ``recorder``, a plain tape entered
-    again and open in ``scope``, where the variable has not been read since
-    (not current there): the version it goes on from, or, written while it was
-    closed, one it did not see made (no gradient path), else its own handle."""
+def latest_version(scope: Scope, var: Any, recorder: Any, known: Any) -> Any:
+    """The recorder protocol's "my current version of ``var``", for
+    ``recorder`` (a record, or a plain tape) open in ``scope``, where the
+    variable is not current (not read nor written in the scope since the
+    recorder was entered again): the version it goes on from (``go_on_from``),
+    or, written while it was closed, a version it did not see made (no
+    gradient path: ``dirty``); else ``known``, the latest version the
+    recorder itself knows (a tape of ours: its record's; a plain tape: the
+    variable's own handle). Every kind of recorder asks this, a variable
+    target of ``gradient`` or ``jacobian``. (The two checks' order does not
+    matter: ``go_on_from`` puts a recorder among a version's knowing ones or
+    among the write's closed ones, never both. Where the answers of the two
+    kinds used to differ is ``known``: a tape of ours falls back to what its
+    record saw (its start version), a plain tape, which keeps no record, to
+    the variable's own handle; either is the version current when it was
+    entered, rule 6b.)"""
     own = canonical_handle(var)
     entry = scope.resumed.get(id(own))
-    if entry is not None and _among(entry[3], recorder):
+    if entry is not None and among(entry[3], recorder):
         return entry[0]
     dirty = scope.dirty.get(id(own))
-    if dirty is not None and _among(dirty[1], recorder):
+    if dirty is not None and among(dirty[1], recorder):
         return new_version(own, None)
-    return own
+    return known

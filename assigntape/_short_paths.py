@@ -160,7 +160,7 @@ def write_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         arguments: Dict[str, Any] = {"resource": handle, "value": value, "name": name}
         if assigns:
             arguments["validate_shape"] = self._validate_shape
-        _writes.write_here(scope, self, op_name, rule, op, arguments, handle)
+        _writes.write_here(scope, self, op_name, rule, op, arguments)
         if not read_value:
             return None
         # TensorFlow's ``_lazy_read``, eagerly: the variable was accessed (its

@@ -379,13 +379,14 @@ class AssignAwareTape(tf.GradientTape):
         var = _resolve.gradient_variable(x)
         if var is None:
             return x
-        own = _versions.canonical_handle(var)
-        if self._scope is None:  # closed: as at its last exit
-            unseen = id(own) in self._record.unseen_at_exit
-        else:
-            entry = self._scope.dirty.get(id(own))
-            unseen = entry is not None and self._record in entry[1] and var._unique_id not in self._scope.current
-        return _versions.new_version(own, None) if unseen else self._versions_of(var)[-1]
+        known = self._versions_of(var)[-1]
+        scope = self._scope
+        if scope is None:  # closed: as at its last exit
+            own = _versions.canonical_handle(var)
+            return _versions.new_version(own, None) if id(own) in self._record.unseen_at_exit else known
+        if var._unique_id in scope.current:
+            return known
+        return _resuming.latest_version(scope, var, self._record, known)
 
     # -- gradients -------------------------------------------------------------
 

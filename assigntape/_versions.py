@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
+from assigntape import _leases
 from assigntape._branches import _seed_from_around
 from assigntape._record import Record, WriteRecord
 from assigntape._registry import (
@@ -147,8 +148,14 @@ class Scope:
         handle = self.current.get(var._unique_id)
         return canonical_handle(var) if handle is None else handle
 
-    def advance(self, var: Any, old: Any, new: Any, write: "WriteRecord") -> None:
-        """Makes ``new`` the variable's current version, for every open tape."""
+    def advance(self, var: Any, old: Any, new: Any, write: "WriteRecord", closed: bool = False) -> None:
+        """Makes ``new`` the variable's current version, for every open tape
+        (each record notes the write) and every recorder that holds the
+        scope's versions (they are kept); ``closed``: a write the op made
+        here, noted on every closed recorder too (``note_write_while_closed``):
+        the one store call of a write, whatever recorders it concerns."""
+        if closed and _closed_refs:
+            note_write_while_closed(None, var)
         uid = var._unique_id
         self.current[uid] = new
         self.owners[id(new)] = var
@@ -275,6 +282,31 @@ def _drop(scope: Scope) -> None:
     scope.resumed.clear()
     scope.unnamed.clear()
     scope.holders = []
+
+
+# The records of the recorders closed that may be entered again
+# (``_resuming.closed_tapes``), weakly.
+_closed_refs = _leases.closed_refs
+
+
+def note_write_while_closed(handle: Any, var: Any = None) -> None:
+    """Notes, on every closed tape, that the variable behind ``handle`` (its
+    own handle, as served with no tape open) or ``var`` was written."""
+    if not _closed_refs:
+        return
+    own = handle if var is None else canonical_handle(var)
+    for r in _closed_records():
+        r.written_while_closed[id(own)] = own
+
+
+def _closed_records() -> Iterator[Record]:
+    """``closed_tapes``, through the weak set's own references, not its
+    iterator: every write inside a tape asks while a plain tape that exited
+    inside it lives, and the iterator's guard costs more than the rest."""
+    for ref in list(_closed_refs):
+        r = ref()
+        if r is not None:
+            yield r
 
 
 def variable_of_handle(handle: Any) -> Optional[Any]:

@@ -74,7 +74,7 @@ def tracked_write(op_name: str, rule: _rules.Rule, params: Sequence[str]) -> Cal
         arguments.update(values)
         _threads.refuse_foreign_inputs(var, op_name, [arguments[name] for name in rule.value_args])
         if branch is None and around is None:
-            return write_here(scope, var, op_name, rule, wrapped, arguments, handle)
+            return write_here(scope, var, op_name, rule, wrapped, arguments)
         return _branch_writes.write_in_body(
             scope,
             branch,
@@ -94,7 +94,6 @@ def write_here(
     rule: _rules.Rule,
     run: Callable[..., Any],
     arguments: Dict[str, Any],
-    handle: Any,
 ) -> Any:
     """A write in the tape's own graph, or eagerly: ``run(**arguments)`` writes,
     then the new version is made and recorded, and becomes current."""
@@ -109,7 +108,6 @@ def write_here(
             result = run(**arguments)
     else:
         result = run(**arguments)
-    _resuming.note_write_while_closed(handle, var)
     new = _branch_writes.top_version(scope, var, old, result, write.inputs, write.backward)
     if write.reads_old:
         # A partial write reads the old value, but a variable that was never
@@ -123,7 +121,7 @@ def write_here(
         # value's, whose ops TensorFlow differentiates forward.
         record.record_operation_forwardprop_only(op_name, [new], [forward], _rules.identity_backward, None)
     recorded = not pywrap_tfe.TFE_Py_TapeSetIsStopped()
-    scope.advance(var, old, new, _record.WriteRecord(op_name, recorded=recorded, old_shape=old_shape))
+    scope.advance(var, old, new, _record.WriteRecord(op_name, recorded=recorded, old_shape=old_shape), closed=True)
     return result
 
 
@@ -209,11 +207,13 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
         # In a graph, the reads (and the duplicate check) must run before the kernel.
         with ops.control_dependencies(list(values.values()) + checks):
             result = wrapped(**arguments)
+        written = _fused.written(kernel, arguments)
         for name, handle in handles.items():
-            _resuming.note_write_while_closed(handle, tracked.get(name))
+            if name not in tracked or name not in written:  # (the others: by ``advance``)
+                _resuming.note_write_while_closed(handle, tracked.get(name))
         new_values = _fused.new_values(kernel, values, arguments) if values else {}
         sources = _form_sources(kernel, values, arguments)
-        for name in _fused.written(kernel, arguments):
+        for name in written:
             var = tracked.get(name)
             if var is None:
                 continue
@@ -225,7 +225,7 @@ def fused_write(op_name: str, kernel: _fused.Kernel, params: Sequence[str]) -> C
                     op_name, [new], [new_values[name]], _rules.identity_backward, forward_function=lambda t: [t]
                 )
             write = _record.WriteRecord(op_name, recorded=recording, old_shape=shapes.get(name))
-            scope.advance(var, old[name], new, write)
+            scope.advance(var, old[name], new, write, closed=True)
         return result
 
     return wrapper

@@ -1,0 +1,174 @@
+"""The recorders, side by side, and the one protocol the version store asks of them.
+
+Four kinds of recorder follow the versions of the variables written while
+they record:
+
+==========================================  ===========================================
+recorder                                    its record (what the store holds)
+==========================================  ===========================================
+``AssignAwareTape``                         ``Record`` (``_record``), made by the tape
+``assigntape.ForwardAccumulator``           the ``Record`` of its internal tape, an
+                                            ``AssignAwareTape`` that keeps no history
+a plain ``tf.GradientTape`` beside ours     ``PlainTapeRecord``, made at its exit
+TensorFlow's ``ForwardAccumulator``         ``AccumulatorRecord``, made at its exit
+==========================================  ===========================================
+
+Whatever the kind, the scopes (``_versions``), closed records and resuming
+(``_resuming``) ask a record only what ``Recorder`` names: whether its recorder
+records, to pause and resume it (for one op: a tape is popped, an accumulator
+set aside with the ones entered after it put back around it, so that every
+accumulator keeps its nesting order), which recorder it stands for, and the
+writes made while it was closed. The other questions of the protocol are the
+store's, asked with the record: "go on from my versions" (``_resuming.go_on_from``,
+lazily, at each variable's first read) and "my current version of v"
+(``_resuming.latest_version``). Entering and exiting are each recorder's own
+methods (``_tape``, ``_forward``; TensorFlow's, followed by ``_plain_tapes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence
+
+from assigntape._record import Record
+from assigntape._registry import open_plain
+from assigntape._tf import forwardprop, pywrap_tfe
+
+__all__ = [
+    "AccumulatorRecord",
+    "PlainTapeRecord",
+    "Recorder",
+    "among",
+    "is_accumulator",
+    "record_for",
+    "set_aside",
+]
+
+
+class Recorder(Protocol):
+    """What the store asks of any recorder's record."""
+
+    # id(a variable's own handle) -> that handle, for each variable written
+    # while the recorder was closed (``_versions.note_write_while_closed``).
+    written_while_closed: Dict[int, Any]
+
+    def recording(self) -> bool:
+        """Whether the recorder records now."""
+
+    def pause(self) -> None:
+        """Stops its recording, for one op (``resume`` undoes it)."""
+
+    def resume(self) -> None: ...
+
+    def stands_for(self, recorder: Any) -> bool:
+        """Whether this is ``recorder``'s record (or ``recorder`` itself)."""
+
+
+# 1 and 2: ``AssignAwareTape`` and ``assigntape.ForwardAccumulator``: ``Record``.
+
+
+class PlainTapeRecord(Record):
+    """3: a plain ``tf.GradientTape`` that recorded beside a tape of ours and
+    may be entered again. Paused as a tape of ours is: popped."""
+
+
+class AccumulatorRecord(Record):
+    """4: TensorFlow's ``ForwardAccumulator``, that recorded beside a tape of
+    ours and may be entered again. Paused by being set aside (``set_aside``)."""
+
+    def __init__(self, accumulator: Any) -> None:
+        super().__init__(accumulator)
+        self._paused = False
+
+    def recording_tape(self) -> Optional[Any]:
+        return None  # (an accumulator is on no tape stack)
+
+    def pause(self) -> None:
+        accumulator = self._tape()
+        if accumulator is not None and accumulator._recording:
+            _place(accumulator, False)
+            self._paused = True
+
+    def resume(self) -> None:
+        accumulator = self._tape()
+        if self._paused and accumulator is not None:
+            _place(accumulator, True)
+        self._paused = False
+
+
+def is_accumulator(recorder: Any) -> bool:
+    """Whether ``recorder`` (not a record) is a forward accumulator, TensorFlow's or ours."""
+    return isinstance(recorder, forwardprop.ForwardAccumulator)
+
+
+def record_for(recorder: Any) -> Record:
+    """The record of a plain tape or forward accumulator that may be entered
+    again: the one place the kind of a recorder beside ours is told."""
+    if is_accumulator(recorder):
+        return AccumulatorRecord(recorder)
+    return PlainTapeRecord(recorder)
+
+
+def among(records: Sequence[Recorder], recorder: Any) -> bool:
+    """Whether ``recorder`` (a recorder, or its record) is one of ``records``."""
+    return any(r.stands_for(recorder) for r in records)
+
+
+@contextlib.contextmanager
+def set_aside(accumulator: Any) -> Iterator[None]:
+    """Runs the block with ``accumulator`` (recording) out of TensorFlow's
+    set of accumulators, as a tape popped (``_recording`` False), and puts
+    it back where it was: the accumulators entered after it are taken out
+    and put back around it, so that every accumulator keeps its nesting order
+    (an outer one records what an inner one computes)."""
+    if not accumulator._recording:
+        yield
+        return
+    # (An exception at any line, a KeyboardInterrupt, puts it back if it was
+    # taken out: ``_place`` notes it in the line that does it, and the putting
+    # back runs once more if interrupted.)
+    try:
+        _place(accumulator, False)
+        yield
+    finally:
+        try: _put_back(accumulator)  # noqa: E701  # fmt: skip
+        except BaseException:
+            _put_back(accumulator)
+            raise
+
+
+def _put_back(accumulator: Any) -> None:
+    if not accumulator._recording:
+        _place(accumulator, True)
+
+
+def _place(accumulator: Any, recording: bool) -> None:
+    """Puts ``accumulator`` in (``recording``) or takes it out of TensorFlow's
+    set of accumulators, where it was entered: the ones entered after it are
+    taken out first and put back after it."""
+    after = _entered_after(accumulator)
+    # Each change and its note on one line (no line between for an exception,
+    # a KeyboardInterrupt, to land on): TensorFlow's set refuses an
+    # accumulator added twice and crashes on one removed twice. The ones
+    # taken out are put back whatever happens.
+    removed: List[Any] = []
+    try:
+        for other in reversed(after): pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(other._accumulator); removed.append(other)  # noqa: E701, E702, E501  # fmt: skip
+        if recording and not accumulator._recording: pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator._accumulator); accumulator._recording = True  # noqa: E701, E702, E501  # fmt: skip
+        if not recording and accumulator._recording: pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(accumulator._accumulator); accumulator._recording = False  # noqa: E701, E702, E501  # fmt: skip
+    finally:
+        while removed: pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(removed[-1]._accumulator); removed.pop()  # noqa: E701, E702  # fmt: skip
+
+
+def _entered_after(accumulator: Any) -> List[Any]:
+    """The accumulators recording in this thread that were entered after
+    ``accumulator``, innermost last (``_registry.open_plain``)."""
+    found: List[Any] = []
+    seen = False
+    for ref, _ in open_plain():
+        other = ref()
+        if other is accumulator:
+            seen = True
+        elif seen and is_accumulator(other) and other._recording:
+            found.append(other)
+    return found
