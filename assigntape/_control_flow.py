@@ -85,7 +85,9 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
             out, values = wrapped(**arguments)
         _note_recorders((out, values), [b.graph for b in branches])
         _refuse_xla_forward_mode(_control_op((out, values)), branches)
-        refuse_forward_through_wrapper((out, values), [var for b in branches for var, _ in b.values.values()], "tf.cond")
+        refuse_forward_through_wrapper(
+            (out, values), [var for b in branches for var, _ in b.values.values()], "tf.cond"
+        )
     except (TypeError, ValueError, AssertionError) as error:
         _refuse_forward_mode_failure(error, [var for b in branches for var, _ in b.values.values()], "cond")
         raise
