@@ -32,6 +32,7 @@ from assigntape._control_gradients import (
     _params,
     _pending,
     _writing_bodies,
+    refuse_forward_through_wrapper,
 )
 from assigntape._errors import ControlFlowWriteError
 from assigntape._tf import (
@@ -84,6 +85,9 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
             out, values = wrapped(**arguments)
         _note_recorders((out, values), [b.graph for b in branches])
         _refuse_xla_forward_mode(_control_op((out, values)), branches)
+        refuse_forward_through_wrapper(
+            (out, values), [var for b in branches for var, _ in b.values.values()], "tf.cond"
+        )
     except (TypeError, ValueError, AssertionError) as error:
         _refuse_forward_mode_failure(error, [var for b in branches for var, _ in b.values.values()], "cond")
         raise
@@ -418,6 +422,7 @@ def _carrying(
     finally:
         _carrying_now.depth -= 1
     _note_recorders((result, final), bodies)
+    refuse_forward_through_wrapper((result, final), carried, "graph loop")
     final = written_again(outer, carried, list(final))
     for v, value in zip(carried, final):
         _leave(scope, parent, v, value, "tf.while_loop")

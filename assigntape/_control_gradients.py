@@ -106,6 +106,61 @@ def _control_op(tensors: Any) -> Any:
     return None
 
 
+# The call op TensorFlow puts around a cond or loop when a persistent
+# recorder, or more than one, could differentiate it
+# (``control_flow_util_v2.run_as_function_for_tape_gradients``).
+_WRAPPER = "cflow_gradient_wrapper"
+
+
+def _wrapper_call(tensors: Any) -> Any:
+    """The call op of a ``cflow_gradient_wrapper`` function that produced
+    ``tensors`` (directly or through an identity), or None."""
+    for t in nest.flatten(tensors, expand_composites=True):
+        op = getattr(t, "op", None)
+        if op is not None and op.type == "Identity" and op.inputs:
+            op = op.inputs[0].op
+        if op is None or op.type not in ("StatefulPartitionedCall", "PartitionedCall"):
+            continue
+        name = op.get_attr("f").name
+        if _WRAPPER in (name.decode() if isinstance(name, bytes) else name):
+            return op
+    return None
+
+
+def refuse_forward_through_wrapper(tensors: Any, written: List[Any], what: str) -> None:
+    """A cond or graph loop that writes ``written`` was just built (its outputs
+    ``tensors``) while a forward accumulator records and has a tangent for
+    one of its inputs, and TensorFlow put it inside a function call, as it
+    does when a persistent recorder or more than one could differentiate it
+    (a persistent tape of ours, a plain tape beside or around, a tape inside
+    another). TensorFlow's forward mode through that call may drop the
+    tangent of every output (seen when the tangent enters only through a
+    captured variable's handle: a None jvp for a cond that only reads, in
+    plain TensorFlow too; with a write, its version's tangent is lost, a
+    silently wrong jvp). Refused while tracing when no output of the call got
+    a tangent, nothing run. (With one non-persistent tape TensorFlow records
+    the op bare, and its forward mode through it is right.)"""
+    if not written or not any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now()):
+        return
+    call = _wrapper_call(tensors)
+    if call is None or not pywrap_tfe.TFE_Py_PackJVPs(list(call.inputs))[1]:
+        return
+    # Some such calls do carry tangents out (a Keras EMA overwrite was
+    # right): refused only where none of the outputs got one.
+    if pywrap_tfe.TFE_Py_PackJVPs(list(call.outputs))[1]:
+        return
+    names = ", ".join(sorted({repr(var.name) for var in written}))
+    raise ControlFlowWriteError(
+        f"Forward mode through a {what} that writes {names} ({call.name!r}), with a persistent tape "
+        "or more than one tape recording beside the ForwardAccumulator: TensorFlow then puts the "
+        f"{what} inside a function call, and its forward mode through that call dropped the tangent "
+        "of what the branches compute (a None or silently wrong jvp; plain TensorFlow drops it "
+        "too for a cond that only reads), nothing ran. Record it with a single non-persistent "
+        "AssignAwareTape beside the accumulator (or the accumulator alone), branch in Python, "
+        "or take the gradient in reverse mode."
+    )
+
+
 @contextlib.contextmanager
 def _paused(recorder: Any) -> Iterator[None]:
     if isinstance(recorder, _record.Record):

@@ -1,0 +1,172 @@
+"""Forward mode through a compiled ``tf.cond`` whose branch writes, with a
+persistent recorder (or more than one) beside the accumulator.
+
+TensorFlow then puts the cond in a function call (``cflow_gradient_wrapper``),
+and its forward mode through that call drops the tangent the branch gets
+through a captured variable: the jvp was silently wrong (or None). Each case
+must give the rewrite's jvp or be refused with ``ControlFlowWriteError``; with
+one non-persistent tape the jvp is the rewrite's (not refused)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import assigntape
+from assigntape import AssignAwareTape, ControlFlowWriteError
+
+X0, V0, TAN = [0.7, -1.2, 0.4], [1.5, -0.5, 2.0], [1.0, 0.5, -2.0]
+ACCUMULATORS = [assigntape.ForwardAccumulator, tf.autodiff.ForwardAccumulator]
+
+
+def _rewrite_jvp() -> float:
+    """The oracle: the program on tensors (``v`` is ``v0 * x`` after the write
+    in the branch that runs, ``x[0] > 0``), under TensorFlow's accumulator."""
+    x = tf.constant(X0, tf.float64)
+    with tf.autodiff.ForwardAccumulator(x, tf.constant(TAN, tf.float64)) as acc:
+        v = tf.constant(V0, tf.float64) * x
+        y = tf.reduce_sum(v * v) + tf.reduce_sum(tf.sin(v) * x)
+    return float(acc.jvp(y))
+
+
+def _jvp(accumulator: Any, recorders: Callable[[], Any], jit: bool = False, nested: bool = False) -> Any:
+    """The jvp of the program with a write in a cond branch, in a tf.function
+    with ``recorders()`` (a context manager) open inside the accumulator."""
+    v = tf.Variable(V0, dtype=tf.float64)
+    x = tf.Variable(X0, dtype=tf.float64)
+
+    def branch() -> Any:
+        v.assign(v * x)
+        return tf.reduce_sum(v * v)
+
+    def zero() -> Any:
+        return tf.constant(0.0, tf.float64)
+
+    @tf.function(jit_compile=jit)
+    def f() -> Any:
+        with accumulator(x, tf.constant(TAN, tf.float64)) as acc:
+            with recorders():
+                if nested:
+                    y = tf.cond(x[0] > 0, lambda: tf.cond(x[1] < 0, branch, zero), zero)
+                else:
+                    y = tf.cond(x[0] > 0, branch, zero)
+                y = y + tf.reduce_sum(tf.sin(v) * x)
+        return acc.jvp(y)
+
+    return f()
+
+
+def _ours(persistent: bool) -> Callable[[], Any]:
+    return lambda: AssignAwareTape(persistent=persistent)
+
+
+@contextlib.contextmanager
+def _plain_inside() -> Any:
+    with AssignAwareTape(), tf.GradientTape(persistent=True):
+        yield
+
+
+@contextlib.contextmanager
+def _plain_around() -> Any:
+    with tf.GradientTape(persistent=True), AssignAwareTape():
+        yield
+
+
+@contextlib.contextmanager
+def _ours_inside_persistent() -> Any:
+    with AssignAwareTape(), AssignAwareTape(persistent=True):
+        yield
+
+
+def _right_or_refused(compute: Callable[[], Any], expected: float) -> None:
+    try:
+        got = compute()
+    except ControlFlowWriteError as error:
+        assert "function call" in str(error) or "jit_compile" in str(error)
+        return
+    assert got is not None, "jvp None (the rewrite has one)"
+    np.testing.assert_allclose(float(got), expected, rtol=1e-9)
+
+
+@pytest.mark.parametrize("accumulator", ACCUMULATORS)
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    "recorders",
+    [_ours(True), _plain_inside, _plain_around, _ours_inside_persistent],
+    ids=["persistent", "plain-persistent-inside", "plain-persistent-around", "inner-persistent-of-ours"],
+)
+def test_persistent_recorder_write_in_cond(accumulator: Any, jit: bool, recorders: Any) -> None:
+    _right_or_refused(lambda: _jvp(accumulator, recorders, jit), _rewrite_jvp())
+
+
+@pytest.mark.parametrize("accumulator", ACCUMULATORS)
+def test_persistent_recorder_write_in_nested_cond(accumulator: Any) -> None:
+    # x[1] < 0, so the inner branch runs too: the same rewrite.
+    _right_or_refused(lambda: _jvp(accumulator, _ours(True), nested=True), _rewrite_jvp())
+
+
+@pytest.mark.parametrize("accumulator", ACCUMULATORS)
+@pytest.mark.parametrize("nested", [False, True])
+def test_one_non_persistent_tape_is_right_not_refused(accumulator: Any, nested: bool) -> None:
+    np.testing.assert_allclose(float(_jvp(accumulator, _ours(False), nested=nested)), _rewrite_jvp(), rtol=1e-9)
+
+
+# -- Keras optimizers whose step has a cond that writes ------------------------------
+
+A = tf.constant([1.0, 2.0, -1.0], tf.float64)
+
+
+def _keras_program(kind: str, persistent: bool, forward: bool, lr0: float = 0.05) -> Any:
+    """Three Keras optimizer steps in a tf.function; with ``forward`` the jvp
+    along the learning rate, else the loss."""
+    w = keras.Variable(np.array([0.3, -0.7, 1.1]), dtype="float64", name="w")
+    lr = tf.Variable(lr0, dtype=tf.float64)
+    if kind == "sgd_accumulation":
+        opt: Any = keras.optimizers.SGD(learning_rate=lambda: lr * 1.0, gradient_accumulation_steps=2)
+    elif kind == "loss_scale":
+        opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(learning_rate=lambda: lr * 1.0))
+    else:  # an EMA overwrite in a cond whose call carries the tangent: right, not refused
+        opt = keras.optimizers.Adam(learning_rate=lambda: lr * 1.0, use_ema=True, ema_overwrite_frequency=2)
+    opt.build([w])
+
+    def steps() -> Any:
+        for _ in range(3):
+            with tf.GradientTape() as inner:
+                loss = tf.reduce_sum((w * A - 1.0) ** 2 * tf.sin(w))
+            opt.apply_gradients(zip(inner.gradient(loss, [w]), [w]))
+        return tf.reduce_sum(tf.cos(w) * A)
+
+    @tf.function
+    def f() -> Any:
+        if not forward:
+            return steps()
+        with assigntape.ForwardAccumulator(lr, tf.constant(1.0, tf.float64)) as acc:
+            with AssignAwareTape(persistent=persistent):
+                y = steps()
+        return acc.jvp(y)
+
+    return f()
+
+
+def _finite_difference(kind: str) -> float:
+    """The oracle: central differences of the loss along the learning rate."""
+    h = 1e-6
+    return float(
+        (_keras_program(kind, False, False, 0.05 + h) - _keras_program(kind, False, False, 0.05 - h)) / (2 * h)
+    )
+
+
+@pytest.mark.parametrize("kind", ["sgd_accumulation", "loss_scale"])
+def test_keras_cond_steps_under_persistent_tape(kind: str) -> None:
+    _right_or_refused(lambda: _keras_program(kind, True, True), _finite_difference(kind))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_keras_ema_overwrite_stays_right(persistent: bool) -> None:
+    got = _keras_program("ema", persistent, True)
+    np.testing.assert_allclose(float(got), _finite_difference("ema"), rtol=1e-5)
