@@ -184,9 +184,9 @@ def check_gradients(
     off by a small term (a dropped second-order path, 1e-4 relative) fails
     in float64, and a gradient off by a factor fails whatever its scale (a
     loss of 1e-6). A ``None`` gradient passes only where the differences are
-    zero within that tolerance. Every variable ``fn`` writes, and every
-    source, is written back to its value from before the call, also on
-    failure.
+    zero within that tolerance. Every variable ``fn`` writes (also in a
+    ``tf.function`` it calls, whatever its dtype), and every source, is
+    written back to its value from before the call, also on failure.
 
     Check in float64: in float32 (or half precision), the rounding noise
     divided by the step leaves two or three digits at best, so the tolerance
@@ -216,6 +216,11 @@ def check_gradients(
       AssertionError: a gradient differs; the message is a table with each
         failing source's name, its largest absolute and relative errors, the
         index where the largest absolute error is, and the error allowed there.
+        Also when the differences cannot be trusted ("finite differences are
+        unreliable here: ..."): ``fn`` gives another value when run again
+        from the same state, or an entry agrees only within an error bound
+        larger than half the gradient's scale. A non-finite entry fails
+        unless both answers hold the same value there.
       TypeError, ValueError: as ``numerical_gradient``.
 
     Example:
