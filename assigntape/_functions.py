@@ -188,6 +188,20 @@ FUNCTION_FIXES_GRAPH = (
     "tf.while_loop bodies, which the tape follows, open the tape inside the body, " + _EAGERLY
 )
 
+# A function restored from a SavedModel runs its saved graph even with
+# run_functions_eagerly(True) and has no Python body to inline.
+RESTORED_FIXES = (
+    "It is restored from a SavedModel: it has no Python body to inline and runs its saved graph even "
+    "with tf.config.run_functions_eagerly(True). Call it outside the tape (its write then has no "
+    "gradient path), or re-create the model from its Python code to differentiate through the write."
+)
+
+
+def _restored(instance: Any) -> bool:
+    """Whether ``instance`` was loaded from a SavedModel (``tf.saved_model.load``'s
+    concrete functions, or the trace of its restored function's body)."""
+    return type(instance).__name__ == "_WrapperFunction" or _name(instance) == "restored_function_body"
+
 
 def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``ConcreteFunction._call_flat``, in an eager tape or in a tape's graph.
@@ -241,7 +255,8 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     if scope.key is not None and _inlining():
         raise _Inline()
     context = _context(instance)
-    refuse_writes(scope, writes, context, FUNCTION_FIXES_EAGER, FUNCTION_FIXES_GRAPH)
+    fixes = (RESTORED_FIXES,) * 2 if _restored(instance) else (FUNCTION_FIXES_EAGER, FUNCTION_FIXES_GRAPH)
+    refuse_writes(scope, writes, context, *fixes)
     result = _run_under_tape(instance, wrapped, tensor_inputs, captured)
     cut_writes(scope, writes, context)
     return result

@@ -26,6 +26,14 @@ _TAPE_ULPS = 64
 _LOW_PRECISION_FLOOR = 0.05
 
 
+# An estimate whose error bound is more than this fraction of the gradient's
+# scale, and more than ``_NOT_ROUNDING`` times what rounding explains, says
+# nothing: fn is not smooth at the point, or changes between runs. A
+# gradient that agrees with it only within that bound is not passed.
+_UNRELIABLE = 0.5
+_NOT_ROUNDING = 1000.0
+
+
 def _as_array(g: Any) -> Optional[np.ndarray]:
     if g is None:
         return None
@@ -56,14 +64,25 @@ def allowed(source: Source, estimate: Estimate, analytic: Optional[np.ndarray], 
     ``rtol``."""
     numeric = np.abs(estimate.value)
     eps = float(np.finfo(source.variable.dtype.as_numpy_dtype).eps)
-    # The gradient's scale: the larger of the two answers' largest entries.
-    scale = max(
-        float(np.max(numeric, initial=0.0)),
-        float(np.nanmax(np.abs(analytic), initial=0.0)) if analytic is not None else 0.0,
-    )
+    scale = _scale(numeric, analytic)
     floor = _TAPE_ULPS * eps + (_LOW_PRECISION_FLOOR if eps > 1e-10 else 0.0)
     bound: np.ndarray = estimate.error + floor * scale + atol + rtol * numeric
     return bound
+
+
+def _scale(numeric: np.ndarray, analytic: Optional[np.ndarray]) -> float:
+    """The gradient's scale: the larger of the two answers' largest finite
+    entries (an infinite one would allow every entry an infinite error)."""
+    entries = [np.abs(numeric)] if analytic is None else [np.abs(numeric), np.abs(analytic)]
+    return max((float(np.max(e[np.isfinite(e)], initial=0.0)) for e in entries), default=0.0)
+
+
+def _unlike_non_finite(analytic: np.ndarray, numeric: np.ndarray) -> np.ndarray:
+    """Where either answer is not finite and they are not the same value
+    (the same infinity, or both NaN): a mismatch whatever the tolerance."""
+    same = (analytic == numeric) | (np.isnan(analytic) & np.isnan(numeric))
+    unlike: np.ndarray = (~np.isfinite(analytic) | ~np.isfinite(numeric)) & ~same
+    return unlike
 
 
 def _row(
@@ -72,9 +91,10 @@ def _row(
     """The table row of a mismatching source, else None."""
     numeric = estimate.value
     if analytic is None:
-        if not np.any(np.abs(numeric) > tolerance):
+        measured = np.where(np.isfinite(numeric), np.abs(numeric), np.inf)
+        if not np.any(measured > tolerance):
             return None  # no path, and none measured
-        where = np.unravel_index(int(np.argmax(np.abs(numeric))), numeric.shape) if numeric.ndim else ()
+        where = np.unravel_index(int(np.argmax(measured)), numeric.shape) if numeric.ndim else ()
         return [
             source.name,
             "inf",
@@ -85,12 +105,14 @@ def _row(
             f"{float(tolerance[where]):.3g}",
         ]
     analytic = np.broadcast_to(analytic, numeric.shape)
-    error = np.abs(analytic - numeric)
-    bad = error > tolerance
-    if not np.any(bad) and not np.any(np.isnan(analytic) != np.isnan(numeric)):
+    unlike = _unlike_non_finite(analytic, numeric)
+    with np.errstate(invalid="ignore"):
+        error = np.where(unlike, np.inf, np.abs(analytic - numeric))
+    error = np.where(np.isnan(error), 0.0, error)  # (both NaN: alike)
+    if not np.any(error > tolerance):
         return None
     relative = error / np.maximum(np.abs(numeric), np.finfo(np.float64).tiny)
-    flat = int(np.nanargmax(np.where(np.isnan(error), np.inf, error)))
+    flat = int(np.argmax(error))
     where = np.unravel_index(flat, numeric.shape) if numeric.ndim else ()
     return [
         source.name,
@@ -101,6 +123,29 @@ def _row(
         _num(numeric[where]),
         f"{float(tolerance[where]):.3g}",
     ]
+
+
+def _unreliable(
+    source: Source, analytic: Optional[np.ndarray], estimate: Estimate, tolerance: np.ndarray
+) -> Optional[str]:
+    """Why the differences cannot check ``source``'s gradient, if an entry
+    agrees with them only within an error bound that says nothing."""
+    numeric = estimate.value
+    tape = np.zeros(numeric.shape) if analytic is None else np.broadcast_to(analytic, numeric.shape)
+    with np.errstate(invalid="ignore"):
+        gap = np.abs(tape - numeric)
+    scale = _scale(numeric, analytic)
+    rescued = (gap > tolerance - estimate.error) & (gap <= tolerance)
+    large = (estimate.error > _UNRELIABLE * scale) & (estimate.error > _NOT_ROUNDING * estimate.rounding)
+    hits = np.argwhere(rescued & large)
+    if not len(hits):
+        return None
+    where = tuple(int(i) for i in hits[0])
+    return (
+        f"source {source.name!r} at index {where}: the tape gives {_num(tape[where])}, the differences "
+        f"{_num(numeric[where])} with an error bound of {float(estimate.error[where]):.3g} (the gradient's "
+        f"scale is {scale:.3g})"
+    )
 
 
 def _num(x: Any) -> str:
@@ -139,9 +184,9 @@ def check_gradients(
     off by a small term (a dropped second-order path, 1e-4 relative) fails
     in float64, and a gradient off by a factor fails whatever its scale (a
     loss of 1e-6). A ``None`` gradient passes only where the differences are
-    zero within that tolerance. Every variable ``fn`` writes, and every
-    source, is written back to its value from before the call, also on
-    failure.
+    zero within that tolerance. Every variable ``fn`` writes (also in a
+    ``tf.function`` it calls, whatever its dtype), and every source, is
+    written back to its value from before the call, also on failure.
 
     Check in float64: in float32 (or half precision), the rounding noise
     divided by the step leaves two or three digits at best, so the tolerance
@@ -171,6 +216,11 @@ def check_gradients(
       AssertionError: a gradient differs; the message is a table with each
         failing source's name, its largest absolute and relative errors, the
         index where the largest absolute error is, and the error allowed there.
+        Also when the differences cannot be trusted ("finite differences are
+        unreliable here: ..."): ``fn`` gives another value when run again
+        from the same state, or an entry agrees only within an error bound
+        larger than half the gradient's scale. A non-finite entry fails
+        unless both answers hold the same value there.
       TypeError, ValueError: as ``numerical_gradient``.
 
     Example:
@@ -190,6 +240,14 @@ def check_gradients(
         state.restore()
     found = estimates(fn, resolved, state, delta)
     tolerances = [allowed(s, e, a, rtol, atol) for s, e, a in zip(resolved, found, analytic)]
+    unreliable = [u for u in map(_unreliable, resolved, analytic, found, tolerances) if u is not None]
+    if unreliable:
+        raise AssertionError(
+            "finite differences are unreliable here: "
+            + "; ".join(unreliable)
+            + ". fn is not smooth at this point, or its value depends on state that is not put back between "
+            "runs; the check cannot pass on them. Check at another point, with a smaller delta, or in float64."
+        )
     rows = [r for r in map(_row, resolved, analytic, found, tolerances) if r is not None]
     if rows:
         raise AssertionError(

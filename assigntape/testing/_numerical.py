@@ -140,6 +140,9 @@ class Estimate(NamedTuple):
 
     value: np.ndarray  # in the variable's shape and dtype
     error: np.ndarray  # a bound on |value - true derivative|, element by element (float64)
+    # The part of ``error`` that rounding alone explains (``_ROUNDING_ULPS``
+    # of the values, over the step): an error far above it is the function's.
+    rounding: np.ndarray
 
 
 # The noise of one evaluation of fn is taken as at least this many units in
@@ -171,6 +174,7 @@ def _estimate(fn: Callable[[], Any], state: SavedState, source: Source, delta: f
     directions = [1.0, 1j] if var.dtype.is_complex else [1.0]
     grad = np.zeros(shape, dtype)
     error = np.zeros(shape, np.float64)
+    rounding = np.zeros(shape, np.float64)
     centre = _evaluate(fn, state, source, np.zeros(shape, dtype)) if extrapolate else 0.0
     for idx in np.ndindex(*shape):
         for direction in directions:
@@ -199,7 +203,8 @@ def _estimate(fn: Callable[[], Any], state: SavedState, source: Source, delta: f
             largest = max(abs(plus), abs(minus), abs(half_plus), abs(half_minus), abs(centre))
             noise = max(fourth, _ROUNDING_ULPS * eps * largest) / delta
             error[idx] += 2.0 * abs(fine - coarse) + noise
-    return Estimate(grad, error)
+            rounding[idx] += _ROUNDING_ULPS * eps * largest / delta
+    return Estimate(grad, error, rounding)
 
 
 def estimates(
@@ -207,14 +212,40 @@ def estimates(
 ) -> List[Estimate]:
     """``check_gradients``' differences: each source's extrapolated
     derivative and its error bound, from the saved state (restored after).
-    ``delta`` None: ``default_step`` of each source's dtype."""
+    ``delta`` None: ``default_step`` of each source's dtype.
+
+    ``fn`` runs from the saved state once before the differences and once
+    after: if the two values differ by more than rounding, ``fn`` depends on
+    something not put back between runs (Python state, a variable written
+    out of sight, randomness) and the differences mean nothing: raises
+    ``AssertionError`` rather than compare with them."""
     try:
-        return [
+        before = _base_value(fn, state)
+        found = [
             _estimate(fn, state, source, default_step(source.variable.dtype) if delta is None else delta, True)
             for source in sources
         ]
+        after = _base_value(fn, state)
     finally:
         state.restore()
+    value, eps = before
+    if abs(after[0] - value) > _ROUNDING_ULPS * eps * max(abs(value), abs(after[0])):
+        raise AssertionError(
+            f"finite differences are unreliable here: fn() run twice from the same saved state gave {value!r} "
+            f"then {after[0]!r}. Its value depends on state that is not put back between runs (Python "
+            "state, a variable written where no AssignAwareTape sees it, random ops): make fn a function of "
+            "its variables alone (seed random ops; keep counters in tf.Variables that fn writes)."
+        )
+    return found
+
+
+def _base_value(fn: Callable[[], Any], state: SavedState) -> Tuple[float, float]:
+    """``fn()`` from the saved state, and the machine epsilon of its dtype."""
+    state.restore()
+    result = fn()
+    value = scalar_value(result)
+    dtype = tf.as_dtype(tf.convert_to_tensor(result).dtype)
+    return value, float(np.finfo(dtype.as_numpy_dtype).eps) if dtype.is_floating else 0.0
 
 
 def default_step(dtype: Any) -> float:

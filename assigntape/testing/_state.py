@@ -9,7 +9,19 @@ methods' short path asks ``_serving.short_path_scope``, and a
 ``tf.function`` that writes is refused or cut through
 ``_refusals.refuse_or_cut`` before it runs). The probe's ``history()`` then
 names the written variables, and every one of them was saved before its
-first write.
+first write. A ``tf.function``'s writes are read from its graph
+(``_functions.function_writes``) before it runs: every variable behind them is
+saved, whatever its dtype (an optimizer's integer ``iterations`` too, which
+the tape does not version but which changes what the next run computes).
+
+A variable ``fn`` creates inside a ``tf.function`` on its first call (a
+Keras optimizer's slots, built lazily in a compiled step) is initialized only
+inside that call, right before its first write: no value of it from before
+exists. (When TensorFlow lifts their initializers out, they are
+initialized by a function of their own first, and saved when the step
+itself runs: no problem.) Otherwise the probe runs ``fn`` a second time, from
+the state it saved with those variables as the first run left them, and that
+state is the one put back.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 import numpy as np
 import tensorflow as tf
 
-from assigntape import _refusals, _serving, _versions
+from assigntape import _functions, _refusals, _serving, _versions
 from assigntape._tape import AssignAwareTape
 from assigntape._tf import gen_resource_variable_ops, record
 
@@ -33,10 +45,19 @@ class SavedState:
 
     def __init__(self) -> None:
         self._saved: Dict[str, Tuple[Any, np.ndarray]] = {}
+        # Variables first seen before they were initialized (made by a
+        # tf.function on its first call, while it runs): not saved.
+        self.uninitialized: Dict[str, Any] = {}
 
     def save(self, var: Any) -> None:
-        """Saves ``var``'s present value, unless it is saved already."""
+        """Saves ``var``'s present value, unless it is saved already (or
+        notes it in ``uninitialized``, if it has no value yet)."""
         if var._unique_id in self._saved:
+            return
+        with tf.init_scope(), record.stop_recording():
+            initialized = bool(gen_resource_variable_ops.var_is_initialized_op(_versions.canonical_handle(var)))
+        if not initialized:
+            self.uninitialized[var._unique_id] = var
             return
         # Eagerly (a write inside a function being traced happens after the
         # trace), from the variable's own handle, recorded on no tape. (Not
@@ -46,6 +67,10 @@ class SavedState:
         # np.array, not .numpy(): explain() notes values leaving TensorFlow
         # through .numpy() while a tape is open, and this one is not the user's.
         self._saved[var._unique_id] = (var, np.array(value, copy=True))
+
+    def unsaved(self) -> List[Any]:
+        """The variables seen uninitialized and not saved since."""
+        return [var for key, var in self.uninitialized.items() if key not in self._saved]
 
     def value(self, var: Any) -> np.ndarray:
         return self._saved[var._unique_id][1]
@@ -81,13 +106,26 @@ def _saving_before_writes(state: SavedState) -> Iterator[None]:
         state.save(var)
         refuse_or_cut(scopes, var, what, message)
 
+    def saving_function_writes(function: Any, handles: List[Any]) -> List[Any]:
+        # Every variable a function writes, before it runs: also those the
+        # tape does not version (integers), which refuse_or_cut never sees.
+        writes = function_writes(function, handles)
+        for handle, _, _ in writes:
+            var = None if handle is None else _functions._variable_behind(function, handle, None)
+            if var is not None:
+                state.save(var)
+        return writes
+
+    function_writes = _functions.function_writes
     _serving.owner, _refusals.refuse_or_cut = saving_owner, saving_refuse_or_cut
     _serving.short_path_scope = saving_short_path_scope
+    _functions.function_writes = saving_function_writes
     try:
         yield
     finally:
         _serving.owner, _refusals.refuse_or_cut = owner, refuse_or_cut
         _serving.short_path_scope = short_path_scope
+        _functions.function_writes = function_writes
 
 
 def written_names(tape: AssignAwareTape) -> List[str]:
@@ -101,8 +139,26 @@ def probe(fn: Callable[[], Any], state: SavedState) -> Tuple[Any, AssignAwareTap
 
     Writes inside ``tf.function``s are cut, not refused: the probe only needs
     values. If ``fn`` raises, what was saved is restored and the error goes on.
-    Returns ``fn``'s result and the probe's tape (closed).
+    Returns ``fn``'s result and the probe's tape (closed). If ``fn`` made
+    variables that a ``tf.function`` initializes as it runs, ``fn`` runs once
+    more (see the module's doc).
     """
+    result, tape = _probe_once(fn, state)
+    if state.unsaved():
+        del tape
+        state.restore()
+        result, tape = _probe_once(fn, state)
+        if state.unsaved():
+            state.restore()
+            names = [v.name for v in state.unsaved()]
+            raise RuntimeError(
+                f"assigntape.testing: fn creates variables {names} in a tf.function on every call: no state "
+                "to put back between runs exists. Create them once, outside fn."
+            )
+    return result, tape
+
+
+def _probe_once(fn: Callable[[], Any], state: SavedState) -> Tuple[Any, AssignAwareTape]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # the cut writes' warnings
@@ -112,7 +168,7 @@ def probe(fn: Callable[[], Any], state: SavedState) -> Tuple[Any, AssignAwareTap
         # Every variable in the history was saved before its first write (the
         # write wrappers ask for its owner first); a miss here would mean a
         # write path that skips them, so check rather than trust.
-        saved = {v.name for v in state.variables()}
+        saved = {v.name for v in state.variables() + state.unsaved()}
         missed = [name for name in written_names(tape) if name.split(" (")[0] not in saved]
         if missed:
             raise RuntimeError(f"assigntape.testing: could not save {missed} before fn wrote them")
