@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import tensorflow as tf
 
@@ -33,6 +33,7 @@ from assigntape._record import WriteRecord
 from assigntape._tape import AssignAwareTape
 from assigntape._tf import (
     dtypes,
+    forwardprop,
     gen_resource_variable_ops,
     indexed_slices,
     nest,
@@ -110,12 +111,17 @@ def _float(dtype: Any) -> bool:
 
 
 class _Refusals:
-    """What the first run of a segment must not do: create a variable, or
-    run a random op whose state no variable holds (``RecomputeError``,
-    raised at the op, before it runs eagerly)."""
+    """What the first run of a segment must not do: create a variable, run a
+    random op whose state no variable holds, or compute with a tensor that
+    the paused tapes watch and that was not given as an argument (a tensor
+    the step closes over: the segment would cut its gradient). Each is a
+    ``RecomputeError``, raised at the op (before it runs, eagerly)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, paused: List[Any], args: Sequence[Any]) -> None:
         self.name = name
+        self.paused = paused
+        # What the step made (op outputs), and was given: never the tapes'.
+        self.inside: Set[int] = {_key(a) for a in args if isinstance(a, tensor_lib.Tensor)}
 
     def creator(self, next_creator: Callable[..., Any], **kwargs: Any) -> Any:
         raise RecomputeError(
@@ -135,7 +141,37 @@ class _Refusals:
                 "SeedGenerator, or a stateless op (tf.random.stateless_uniform) whose seed is a "
                 "variable or an argument."
             )
+        outside = [t for t in inputs or () if _float_tensor(t) and _key(t) not in self.inside]
+        if outside:
+            self._refuse_watched(op_type, outside)
+        for t in outputs or ():
+            if isinstance(t, tensor_lib.Tensor):
+                self.inside.add(_key(t))
         return None
+
+    def _refuse_watched(self, op_type: str, tensors: List[Any]) -> None:
+        """Refuses a tensor from outside the step that a paused tape watches
+        (asked with them back in TensorFlow's tape set, for that moment)."""
+        for r in self.paused:
+            r.resume()
+        try:
+            watched = pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop(tensors)
+        finally:
+            for r in reversed(self.paused):
+                r.pause()
+        if watched:
+            raise RecomputeError(
+                f"{self.name}: its op {op_type} takes a tensor that the tape differentiates and the "
+                "step closes over: a segment would cut its gradient. Pass it as an argument, "
+                "checkpointed(fn)(tensor), or read it from a variable."
+            )
+
+
+def _key(t: Any) -> int:
+    """A tensor's identity while the segment runs: an eager tensor's
+    never-reused ``_id``, a graph tensor's ``id`` (its graph keeps it)."""
+    found: int = t._id if isinstance(t, ops.EagerTensor) else id(t)
+    return found
 
 
 class _Segment:
@@ -222,6 +258,10 @@ class _Segment:
         return grads
 
 
+def _accumulating(recorder: Any) -> bool:
+    return isinstance(recorder, forwardprop.ForwardAccumulator) and bool(recorder._recording)
+
+
 def _float_tensor(x: Any) -> bool:
     return isinstance(x, tensor_lib.Tensor) and x.dtype != dtypes.resource and _float(x.dtype)
 
@@ -244,10 +284,16 @@ def _segment(name: str, run: Callable[..., Any], args: Sequence[Any]) -> Any:
     lengths = [{uid: len(v) for uid, v in r.versions.items()} for r in paused]
     owners = scope.owners
     log = _TouchLog(owners)
-    refusals = _Refusals(name)
+    refusals = _Refusals(name, paused, args)
     for r in paused:
         r.pause()
     try:
+        if any(_accumulating(ref()) for ref, _ in _registry.open_plain()):
+            raise RecomputeError(
+                f"{name} was called while a ForwardAccumulator records around it: a segment is "
+                "recorded for reverse mode only, and its outputs would have no tangent. Call the "
+                "step without the wrapper under forward mode (whose memory does not grow with steps)."
+            )
         if not pywrap_tfe.TFE_Py_TapeSetIsEmpty():
             raise RecomputeError(
                 f"{name} was called while a plain tf.GradientTape records around it: that tape would "

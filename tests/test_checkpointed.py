@@ -117,52 +117,181 @@ def test_batch_normalization_moving_statistics(mode, opt_name):
     _compare(mode, opt_name, "float64", "unroll", 7, every=3, bn=True)
 
 
+# -- what a re-run reproduces, and what is refused --------------------------------
+
+
+def _dropout_program(how, mode_seed):
+    """A step with dropout drawn from state held in a variable: Keras 3's
+    SeedGenerator, or a tf.random.Generator."""
+    w = tf.Variable(np.linspace(-1.0, 1.0, 12).reshape(3, 4), dtype="float64")
+    lr = tf.Variable(0.1, dtype="float64")
+    x = tf.constant(X, "float64")
+    if mode_seed == "keras":
+        layer = keras.layers.Dropout(0.5, seed=11, dtype="float64")
+
+        def drop(h):
+            return layer(h, training=True)
+    else:
+        gen = tf.random.Generator.from_seed(11)
+
+        def drop(h):
+            return h * tf.cast(gen.uniform(tf.shape(h), dtype=tf.float64) > 0.5, tf.float64) * 2.0
+
+    def step():
+        with tf.GradientTape() as inner:
+            loss = tf.reduce_mean(drop(tf.tanh(tf.matmul(x, w))) ** 2)
+        w.assign_sub(lr * inner.gradient(loss, w))
+        return loss
+
+    def program():
+        with AssignAwareTape() as tape:
+            if how == "loop":
+                for _ in range(4):
+                    last = step()
+            else:
+                last = unroll(step, 4, checkpoint_every=3)
+            val = tf.reduce_sum(w) + last
+        return val, tape.gradient(val, [lr, w])
+
+    return program
+
+
 @modes
-@pytest.mark.parametrize(
-    "opt_name, dtype, k, every",
-    [
-        ("sgd", "float32", 1, None),
-        ("momentum", "float64", 7, 3),
-        ("adam", "float32", 7, None),
-        ("momentum", "float32", 64, None),
-    ],
-)
-def test_unroll_equals_the_loop(mode, opt_name, dtype, k, every):
-    _compare(mode, opt_name, dtype, "unroll", k, every)
-
-
-def test_long_adam_unroll_equals_the_loop():
-    """(Eagerly only: tracing 64 Adam steps twice costs a minute and a half.)"""
-    _compare("eager", "adam", "float64", "unroll", 64, 5)
-
-
-@modes
-def test_truncated_unroll_equals_the_loop_with_early_steps_stopped(mode):
-    grads = _compare(mode, "momentum", "float64", "unroll", 9, every=2, truncate=4)
-    assert grads[1][0] is not None
-
-
-def test_sgd_unroll_equals_the_assignment_free_rewrite():
-    """The rewrite: weights as tensors, w <- w - lr * g, under a plain tape."""
-    k = 5
-    program, _, _ = _meta("sgd", "float64", "unroll", k, every=2)
-    actual = program()
-    ws0 = [tf.constant(w) for w in _initial(False)]
-    lr = tf.constant(0.05, tf.float64)
-    x, y, xv, yv = (tf.constant(a, tf.float64) for a in (X, Y, XV, YV))
-
-    def forward(ws, inp):
-        return tf.matmul(tf.tanh(tf.matmul(inp, ws[0]) + ws[1]), ws[2]) + ws[3]
-
-    with tf.GradientTape() as tape:
-        tape.watch([lr, *ws0])
-        ws = list(ws0)
-        for _ in range(k):
-            with tf.GradientTape() as inner:
-                inner.watch(ws)
-                loss = tf.reduce_mean((forward(ws, x) - y) ** 2)
-            gs = inner.gradient(loss, ws)
-            ws = [w - lr * g for w, g in zip(ws, gs)]
-        val = tf.reduce_mean((forward(ws, xv) - yv) ** 2) + 0.1 * loss
-    expected = (val, tape.gradient(val, [lr, *ws0]))
+@pytest.mark.parametrize("source", ["keras", "generator"])
+def test_randomness_held_in_a_variable_is_drawn_again_the_same(mode, source):
+    expected = run(mode, _dropout_program("loop", source))
+    actual = run(mode, _dropout_program("unroll", source))
     assert_grads_close(actual, expected, rtol=1e-10, atol=1e-12)
+
+
+@modes
+def test_random_op_without_a_generator_is_refused(mode):
+    w = tf.Variable(1.0)
+
+    def program():
+        with AssignAwareTape():
+            checkpointed(lambda: w.assign(w * tf.random.uniform([])))()
+
+    with pytest.raises(RecomputeError, match="RandomUniform"):
+        run(mode, program)
+
+
+def test_variable_created_in_the_step_is_refused():
+    w = tf.Variable(1.0)
+    made = []
+
+    def step():
+        made.append(tf.Variable(2.0, name="inside"))
+        return w.assign(w * made[-1])
+
+    with AssignAwareTape():
+        with pytest.raises(RecomputeError, match="created a variable.*inside"):
+            checkpointed(step)()
+
+
+def test_python_side_effect_changing_what_the_rerun_touches_is_refused():
+    a, b = tf.Variable(1.0, name="a"), tf.Variable(2.0, name="b")
+    w = tf.Variable(3.0, name="w")
+    calls = []
+
+    def step():
+        calls.append(1)
+        source = a if len(calls) == 1 else b  # the re-run reads another variable
+        return w.assign(w * source)
+
+    with AssignAwareTape() as tape:
+        loss = checkpointed(step)() * 1.0
+    with pytest.raises(RecomputeError, match="'b:0'"):
+        tape.gradient(loss, a)
+
+
+def test_plain_tape_recording_around_is_refused():
+    w = tf.Variable(1.0)
+    with tf.GradientTape(), AssignAwareTape():
+        with pytest.raises(RecomputeError, match="plain tf.GradientTape"):
+            checkpointed(lambda: w.assign(2.0 * w))()
+    assert float(w) == 1.0
+
+
+def test_tensor_steps_are_refused():
+    @tf.function
+    def program(n):
+        with AssignAwareTape():
+            unroll(lambda: None, n)
+
+    with pytest.raises(RecomputeError, match="Python int"):
+        program(tf.constant(3))
+
+
+def test_write_from_another_thread_during_the_step_is_refused():
+    import threading
+
+    from assigntape import AssignTapeError
+
+    w = tf.Variable(1.0, name="w_thread")
+    errors = []
+
+    def other():
+        try:
+            w.assign(5.0)
+        except AssignTapeError as error:
+            errors.append(error)
+
+    def step():
+        value = w.assign(2.0 * w)
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        return value
+
+    with AssignAwareTape():
+        checkpointed(step)()
+    assert errors and float(w) == 2.0
+
+
+@modes
+def test_tensor_arguments_are_differentiated(mode):
+    """A watched tensor reaches the step as an argument (one it closed over
+    would be a constant to it)."""
+
+    def program(wrap):
+        w = tf.Variable(2.0, dtype="float64")
+
+        def body():
+            x = tf.constant(3.0, "float64")
+            with AssignAwareTape() as tape:
+                tape.watch(x)
+                out = wrap(lambda t: w.assign(w * t) * t)(x)
+                loss = out + w
+            return tape.gradient(loss, [x, w])
+
+        return body
+
+    expected = run(mode, program(lambda f: f))
+    actual = run(mode, program(checkpointed))
+    assert_grads_close(actual, expected, rtol=1e-12, atol=0)
+
+
+@modes
+def test_watched_tensor_the_step_closes_over_is_refused(mode):
+    w = tf.Variable(2.0)
+
+    def program():
+        x = tf.constant(3.0)
+        with AssignAwareTape() as tape:
+            tape.watch(x)
+            y = x * 2.0
+            checkpointed(lambda: w.assign(w * y))()
+
+    with pytest.raises(RecomputeError, match="closes over"):
+        run(mode, program)
+
+
+def test_forward_accumulator_around_is_refused():
+    from assigntape import ForwardAccumulator
+
+    w, x = tf.Variable(1.0), tf.constant(2.0)
+    with ForwardAccumulator(x, tf.constant(1.0)), AssignAwareTape():
+        with pytest.raises(RecomputeError, match="ForwardAccumulator"):
+            checkpointed(lambda: w.assign(x * w))()
+    assert float(w) == 1.0
