@@ -84,6 +84,10 @@ class _TouchLog(Dict[int, Any]):
 
     def __setitem__(self, key: int, var: Any) -> None:
         super().__setitem__(key, var)
+        self.note(var)
+
+    def note(self, var: Any) -> None:
+        """``var`` touched: at its first touch, its value copied."""
         uid = var.__dict__.get("_unique_id")
         if uid is None or uid in self.touched:
             return
@@ -117,9 +121,11 @@ class _Refusals:
     the step closes over: the segment would cut its gradient). Each is a
     ``RecomputeError``, raised at the op (before it runs, eagerly)."""
 
-    def __init__(self, name: str, paused: List[Any], args: Sequence[Any]) -> None:
+    def __init__(self, name: str, paused: List[Any], args: Sequence[Any], log: _TouchLog, key: Any) -> None:
         self.name = name
+        self.key = key  # the segment's graph (None: eager)
         self.paused = paused
+        self.log = log
         # What the step made (op outputs), and was given: never the tapes'.
         self.inside: Set[int] = {_key(a) for a in args if isinstance(a, tensor_lib.Tensor)}
 
@@ -141,8 +147,18 @@ class _Refusals:
                 "SeedGenerator, or a stateless op (tf.random.stateless_uniform) whose seed is a "
                 "variable or an argument."
             )
+        if graph is not self.key:
+            return None  # a function traced meanwhile: its own graph
+        for t in inputs or ():
+            if isinstance(t, tensor_lib.Tensor) and t.dtype == dtypes.resource:
+                # A variable a called tf.function reads through the handle it
+                # captured: not served, so noted here (after the call eagerly:
+                # a function that writes is refused or cut anyway).
+                var = _variable_of(t, self.log)
+                if var is not None:
+                    self.log.note(var)
         outside = [t for t in inputs or () if _float_tensor(t) and _key(t) not in self.inside]
-        if outside:
+        if outside and self.paused:  # (the re-run: its own tape watches all)
             self._refuse_watched(op_type, outside)
         for t in outputs or ():
             if isinstance(t, tensor_lib.Tensor):
@@ -165,6 +181,19 @@ class _Refusals:
                 "step closes over: a segment would cut its gradient. Pass it as an argument, "
                 "checkpointed(fn)(tensor), or read it from a variable."
             )
+
+
+def _variable_of(handle: Any, log: _TouchLog) -> Optional[Any]:
+    """The variable behind a resource input: a version served here, a
+    variable's own eager handle, or (in a function's graph) the capture of one."""
+    var = log.get(id(handle))
+    if var is None:
+        var = _versions.variable_of_handle(handle)
+    if var is None and not isinstance(handle, ops.EagerTensor):
+        for outside, inside in getattr(handle.graph, "captures", ()):
+            if inside is handle:
+                return _versions.variable_of_handle(outside)
+    return var
 
 
 def _key(t: Any) -> int:
@@ -233,12 +262,21 @@ class _Segment:
             for var in self.inputs:
                 tape.watch(var)
             tape.watch(tensors)
-            result = self.run(*self.args)
-        if set(log.touched) != set(self.touched):
+            notes = _Refusals(self.name, [], self.args, log, scope.key)
+            op_callbacks.add_op_callback(notes.callback)
+            try:
+                result = self.run(*self.args)
+            finally:
+                op_callbacks.remove_op_callback(notes.callback)
+        # A variable the first run did not touch has no copy; one it wrote and
+        # the re-run did not (or the other way) is another step.
+        wrote = {uid for uid in tape._record.versions}
+        if not set(log.touched) <= set(self.touched) or wrote != {v._unique_id for v in self.written}:
             raise RecomputeError(
-                f"{self.name}: its re-run in the backward pass touched other variables than its first "
-                f"run ({_names(log.touched, self.touched)}): a Python side effect of the step changed "
-                "what it does. Keep the step a function of the variables and its arguments."
+                f"{self.name}: its re-run in the backward pass touched or wrote other variables than "
+                f"its first run ({_names(log.touched, self.touched, wrote, self.written)}): a Python "
+                "side effect of the step changed what it does. Keep the step a function of the "
+                "variables and its arguments."
             )
         flat = nest.flatten(result)
         targets: List[Any] = []
@@ -266,14 +304,17 @@ def _float_tensor(x: Any) -> bool:
     return isinstance(x, tensor_lib.Tensor) and x.dtype != dtypes.resource and _float(x.dtype)
 
 
-def _names(a: Dict[str, Tuple[Any, Any]], b: Dict[str, Tuple[Any, Any]]) -> str:
-    differ = set(a) ^ set(b)
-    found = {**a, **b}
-    return ", ".join(sorted(repr(found[uid][0].name) for uid in differ))
+def _names(a: Dict[str, Tuple[Any, Any]], b: Dict[str, Tuple[Any, Any]], wrote: Set[str], written: List[Any]) -> str:
+    found = {uid: var for uid, (var, _) in {**a, **b}.items()}
+    differ = (set(a) - set(b)) | (wrote ^ {v._unique_id for v in written})
+    return ", ".join(sorted(repr(found[uid].name) for uid in differ if uid in found))
 
 
-def _segment(name: str, run: Callable[..., Any], args: Sequence[Any]) -> Any:
-    """Runs ``run(*args)`` as one segment of the tape open here, if any."""
+def _segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns: bool = True) -> Any:
+    """Runs ``run(*args)`` as one segment of the tape open here, if any;
+    ``returns``: its float results are outputs of the segment's op (not for
+    an unroll's segments before the last, whose results are dropped:
+    TensorFlow would give an output nothing used zeros, not None)."""
     scopes = getattr(_registry._tls, "scopes", None)
     scope = _registry._enclosing_scope(scopes) if scopes else None
     if scope is None or pywrap_tfe.TFE_Py_TapeSetIsStopped() or not any(r.recording() for r in scope.records):
@@ -284,7 +325,7 @@ def _segment(name: str, run: Callable[..., Any], args: Sequence[Any]) -> Any:
     lengths = [{uid: len(v) for uid, v in r.versions.items()} for r in paused]
     owners = scope.owners
     log = _TouchLog(owners)
-    refusals = _Refusals(name, paused, args)
+    refusals = _Refusals(name, paused, args, log, scope.key)
     for r in paused:
         r.pause()
     try:
@@ -337,7 +378,7 @@ def _segment(name: str, run: Callable[..., Any], args: Sequence[Any]) -> Any:
         if after.get(uid) is not entry.get(uid):
             written.append(var)
     flat = nest.flatten(result)
-    float_out = [i for i, t in enumerate(flat) if _float_tensor(t)]
+    float_out = [i for i, t in enumerate(flat) if _float_tensor(t)] if returns else []
     tensors = [a for a in args if _float_tensor(a)]
     segment = _Segment(name, run, args, log.touched, inputs, written, result, float_out)
     # Watched as the step's reads would have them watched (the versions at
@@ -454,8 +495,8 @@ def unroll(
     done = 0
     while done < kept:
         n = min(every, kept - done)
-        result = _segment(name, functools.partial(_steps, fn, n), ())
         done += n
+        result = _segment(name, functools.partial(_steps, fn, n), (), returns=done == kept)
     return result
 
 
