@@ -295,3 +295,13 @@ def test_forward_accumulator_around_is_refused():
         with pytest.raises(RecomputeError, match="ForwardAccumulator"):
             checkpointed(lambda: w.assign(x * w))()
     assert float(w) == 1.0
+
+
+def test_docstring_examples():
+    import doctest
+
+    from assigntape import _checkpoint
+
+    globs = {"tf": tf, "AssignAwareTape": AssignAwareTape, "checkpointed": checkpointed, "unroll": unroll}
+    failures, tried = doctest.testmod(_checkpoint, globs=globs)
+    assert tried >= 2 and failures == 0

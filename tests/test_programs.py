@@ -23,7 +23,9 @@ control flow (``ControlFlowStore``); second order (the gradient of a
 first-order gradient); infinite upstream gradients; tape events in the middle
 of a program (an inner tape opened, the tape exited and entered again,
 ``reset()``); eager writes inside a ``tf.function`` with
-``untracked_writes="cut"``; variables as targets. Where no write is under
+``untracked_writes="cut"``; variables as targets; statements split into
+``checkpointed`` segments (eager and compiled), and the program as the step
+of ``unroll``. Where no write is under
 ``stop_recording`` or cut (which deliberately differ from the math), a
 directional finite difference of the rewrite in float64 / complex128 must
 agree with the gradients too.
