@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import tensorflow as tf
@@ -345,27 +346,25 @@ def _segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns: b
         try:
             with tf.variable_creator_scope(refusals.creator):
                 result = run(*args)
+            if log.error is not None:
+                raise log.error
+        except BaseException:
+            # Refused (or failed) part way: the variables and the tapes as
+            # before the step, as a refused write leaves them.
+            for var, value in log.touched.values():
+                if value is not None:
+                    _assign(var, value)
+            _forget_inner_versions(scope, before, paused, lengths)
+            raise
         finally:
             op_callbacks.remove_op_callback(refusals.callback)
             scope.owners = owners
     finally:
         for r in reversed(paused):
             r.resume()
-    if log.error is not None:
-        raise log.error
     after = dict(scope.current)
     entry = before[1]
-    # The segment's inner versions go: the scope and the records as before it.
-    scope.put_back(before)
-    for r, known in zip(paused, lengths):
-        for uid in list(r.versions):
-            n = known.get(uid, 0)
-            if n == 0:
-                del r.versions[uid]
-                del r.writes[uid]
-            else:
-                del r.versions[uid][n:]
-                del r.writes[uid][n - 1 :]
+    _forget_inner_versions(scope, before, paused, lengths)
     inputs: List[Any] = []
     starts: List[Any] = []
     written: List[Any] = []
@@ -391,6 +390,23 @@ def _segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns: b
     for var, end in zip(written, ends):
         scope.advance(var, scope.current_version(var), end, WriteRecord(_WRITE))
     return result
+
+
+def _forget_inner_versions(
+    scope: _versions.Scope, before: Tuple[Any, ...], records: List[Any], lengths: List[Dict[str, int]]
+) -> None:
+    """The scope (``before``, its ``state(True)``) and each record as before
+    the segment (``lengths``: its versions per variable then)."""
+    scope.put_back(before)
+    for r, known in zip(records, lengths):
+        for uid in list(r.versions):
+            n = known.get(uid, 0)
+            if n == 0:
+                del r.versions[uid]
+                del r.writes[uid]
+            else:
+                del r.versions[uid][n:]
+                del r.writes[uid][n - 1 :]
 
 
 def checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -478,7 +494,7 @@ def unroll(
     >>> round(float(tape.gradient(loss, lr)), 4)
     -7.68
     """
-    if isinstance(steps, tensor_lib.Tensor) or not isinstance(steps, int):
+    if isinstance(steps, tensor_lib.Tensor) or not isinstance(steps, numbers.Integral):
         raise RecomputeError(
             f"unroll was given steps={steps!r}: it takes a Python int (the tape records one op per "
             "segment, so their number must be known while it records). Pass int(steps), or loop "
@@ -486,6 +502,7 @@ def unroll(
         )
     if steps < 0 or (checkpoint_every is not None and checkpoint_every < 1) or (truncate is not None and truncate < 0):
         raise ValueError(f"unroll: steps ({steps}) and truncate must be >= 0, checkpoint_every >= 1")
+    steps = int(steps)
     kept = steps if truncate is None else min(truncate, steps)
     result = None
     if steps > kept:

@@ -168,12 +168,18 @@ def test_randomness_held_in_a_variable_is_drawn_again_the_same(mode, source):
 def test_random_op_without_a_generator_is_refused(mode):
     w = tf.Variable(1.0)
 
+    def step():
+        w.assign(w * 2.0)  # written, then put back by the refusal
+        return w.assign(w * tf.random.uniform([]))
+
     def program():
-        with AssignAwareTape():
-            checkpointed(lambda: w.assign(w * tf.random.uniform([])))()
+        with AssignAwareTape() as tape:
+            checkpointed(step)()
+        return tape
 
     with pytest.raises(RecomputeError, match="RandomUniform"):
         run(mode, program)
+    assert float(w) == 1.0
 
 
 def test_variable_created_in_the_step_is_refused():
@@ -305,3 +311,14 @@ def test_docstring_examples():
     globs = {"tf": tf, "AssignAwareTape": AssignAwareTape, "checkpointed": checkpointed, "unroll": unroll}
     failures, tried = doctest.testmod(_checkpoint, globs=globs)
     assert tried >= 2 and failures == 0
+
+
+def test_refusal_leaves_the_tape_as_before_the_step():
+    w = tf.Variable(1.0)
+    with AssignAwareTape() as tape:
+        w.assign(3.0 * w)
+        with pytest.raises(RecomputeError):
+            checkpointed(lambda: [w.assign(w * 2.0), tf.random.normal([])])()
+        loss = w * 1.0
+    assert float(loss) == 3.0 and len(tape.versions(w)) == 2
+    assert float(tape.gradient(loss, w)) == 3.0
