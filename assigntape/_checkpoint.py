@@ -216,7 +216,6 @@ class _Segment:
         touched: Dict[str, Tuple[Any, Any]],
         inputs: List[Any],
         written: List[Any],
-        structure: Any,
         float_out: List[int],
     ) -> None:
         self.name = name
@@ -225,7 +224,6 @@ class _Segment:
         self.touched = touched
         self.inputs = inputs  # the floating-point variables touched
         self.written = written  # the floating-point variables written
-        self.structure = structure
         self.float_out = float_out  # indices, in nest.flatten(result), of float tensors
 
     def backward(self, *upstream: Any) -> List[Any]:
@@ -379,7 +377,7 @@ def _segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns: b
     flat = nest.flatten(result)
     float_out = [i for i, t in enumerate(flat) if _float_tensor(t)] if returns else []
     tensors = [a for a in args if _float_tensor(a)]
-    segment = _Segment(name, run, args, log.touched, inputs, written, result, float_out)
+    segment = _Segment(name, run, args, log.touched, inputs, written, float_out)
     # Watched as the step's reads would have them watched (the versions at
     # its start), before the new versions are made current.
     for var in inputs:

@@ -10,7 +10,7 @@ validation loss with respect to the initial weights and the learning rate (a
 ceil(sqrt(K)) steps). Each (role, K) runs in a fresh process
 (``python -m benchmarks.unroll --one ROLE K``): the peak resident set during the
 meta step above the resident set before it (``benchmarks.memory``), and its time.
-Compiled, the meta step is a ``tf.function`` traced (and run once) before the
+Compiled, the meta step is a ``tf.function`` traced (not run) before the
 measured call.
 """
 
@@ -78,7 +78,7 @@ def build(role: str, k: int, compiled: bool) -> Callable[[], Any]:
         return run()
 
     if compiled:
-        measured()  # the trace
+        run.get_concrete_function()  # traced, not run: no memory reused from a run before
     return measured
 
 
