@@ -251,8 +251,13 @@ class _Segment:
                 scopes[key] = outer
 
     def _differentiate(self, upstream: Sequence[Any]) -> List[Any]:
-        for var, value in self.touched.values():
-            _assign(var, value)
+        # In a graph, the re-run starts once the gradients it is given are
+        # computed (the segment after it done): else the executor may run
+        # every segment's re-run ahead at once, holding all their activations.
+        given = [g for g in upstream if isinstance(g, tensor_lib.Tensor) and not isinstance(g, ops.EagerTensor)]
+        with ops.control_dependencies(given):
+            for var, value in self.touched.values():
+                _assign(var, value)
         tensors = [a for a in self.args if _float_tensor(a)]
         with AssignAwareTape() as tape:
             scope = tape._scope

@@ -32,6 +32,11 @@ def build(role: str, k: int, compiled: bool) -> Callable[[], Any]:
     import numpy as np
     import tensorflow as tf
 
+    if os.environ.get("UNROLL_NO_GRAPPLER"):
+        # Graph optimization at a compiled step's first call (the measured
+        # one) holds memory that grows with the graph: off, to see the step's own.
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+
     from assigntape import AssignAwareTape, checkpointed, unroll
 
     rng = np.random.default_rng(0)
