@@ -10,6 +10,7 @@ differentiates through writes.
 """
 
 from assigntape import _autograph, _patches
+from assigntape._checkpoint import checkpointed, unroll
 from assigntape._diagnostics import Explanation, History, Reason
 from assigntape._errors import (
     AssignTapeError,
@@ -18,6 +19,7 @@ from assigntape._errors import (
     ForkedTapeError,
     GraphWriteOrderError,
     NotAVariableError,
+    RecomputeError,
     SavedModelError,
     UntrackedWriteError,
     WriteDtypeError,
@@ -45,8 +47,11 @@ __all__ = [
     "History",
     "NotAVariableError",
     "Reason",
+    "RecomputeError",
     "SavedModelError",
     "UntrackedWriteError",
     "WriteDtypeError",
+    "checkpointed",
     "uninstall",
+    "unroll",
 ]

@@ -14,6 +14,7 @@ __all__ = [
     "ForkedTapeError",
     "GraphWriteOrderError",
     "NotAVariableError",
+    "RecomputeError",
     "SavedModelError",
     "UntrackedWriteError",
     "WriteDtypeError",
@@ -121,3 +122,19 @@ class ForkedTapeError(AssignTapeError, RuntimeError):
     """A tape closed by another thread before ``os.fork`` was entered again in
     the forked child, where the writes made while it was closed were not
     followed for it. Open a new tape in the child."""
+
+
+class RecomputeError(AssignTapeError, RuntimeError):
+    """A ``checkpointed`` or ``unroll`` step that its re-run in the backward
+    pass could not reproduce, or that the tape could not record as one segment.
+
+    A segment keeps only the values of the variables it touched at its start
+    and runs the step again to differentiate it, so the step must compute the
+    same thing again from them: no stateful random op that draws without a
+    generator (``tf.random.uniform``: use ``tf.random.Generator`` or a Keras
+    ``SeedGenerator``, whose state is a variable), no variable created inside
+    it (build the optimizer and the model before), no Python side effect that
+    changes which variables the next call touches, no plain
+    ``tf.GradientTape`` recording around it, and, in a ``tf.function``, a
+    Python int number of steps.
+    """

@@ -23,7 +23,9 @@ control flow (``ControlFlowStore``); second order (the gradient of a
 first-order gradient); infinite upstream gradients; tape events in the middle
 of a program (an inner tape opened, the tape exited and entered again,
 ``reset()``); eager writes inside a ``tf.function`` with
-``untracked_writes="cut"``; variables as targets. Where no write is under
+``untracked_writes="cut"``; variables as targets; statements split into
+``checkpointed`` segments (eager and compiled), and the program as the step
+of ``unroll``. Where no write is under
 ``stop_recording`` or cut (which deliberately differ from the math), a
 directional finite difference of the rewrite in float64 / complex128 must
 agree with the gradients too.
@@ -551,3 +553,99 @@ def test_random_programs_with_every_write_in_a_loop_differentiated_inside_xla(pr
             np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
     for got, want in zip(_none_as_zeros(in_graph, params0), _none_as_zeros(expected["params"], params0)):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+# -- checkpointed segments and unrolls ---------------------------------------------
+
+
+def _segmented_run(program, cuts, compiled):
+    """The program under ``AssignAwareTape`` with its statements split at
+    ``cuts`` into ``checkpointed`` segments, each given the parameters and
+    the results so far as arguments and returning its own results."""
+    from assigntape import checkpointed
+    from assigntape.testing._interpreter import loss_of, run_statements
+
+    vars0, params0, variables, params = state(program)
+    bounds = [0, *sorted(c for c in set(cuts) if 0 < c < len(program.statements)), len(program.statements)]
+
+    def body():
+        with AssignAwareTape() as tape:
+            tape.watch(params)
+            store = VariableStore(variables, [tape])
+            temps: List[Any] = []
+            for a, b in zip(bounds, bounds[1:]):
+
+                def segment(*args, chunk=program.statements[a:b]):
+                    ts = list(args[len(params) :])
+                    known = len(ts)
+                    run_statements(program, chunk, store, args[: len(params)], ts)
+                    return ts[known:]
+
+                temps += list(checkpointed(segment)(*params, *temps))
+            loss = loss_of(program, store, temps)
+        grads = tape.gradient(loss, {"vars": variables, "params": tuple(params)})
+        return loss, grads, [tf.convert_to_tensor(v) for v in variables]
+
+    return tf.function(body)() if compiled else body()
+
+
+def _check_against_rewrite(program, run):
+    from assigntape.testing._program import assert_close, assert_gradients_close
+
+    loss, grads, finals = run
+    e_loss, e_grads, e_finals = rewrite_run(program)
+    rtol, atol = tolerances(program)
+    assert_close(loss, e_loss, rtol, atol, "loss")
+    assert_close(finals, e_finals, rtol, atol, "final values")
+    assert_gradients_close(grads, e_grads, rtol, atol, "gradients")
+
+
+@settings(max_examples=_n(40))
+@given(programs(stopped_writes=False), st.lists(st.integers(1, 7), max_size=3))
+def test_random_programs_in_checkpointed_segments(program, cuts):
+    """Any split of a program into segments equals the rewrite (and so the
+    program without them)."""
+    _check_against_rewrite(program, _segmented_run(program, cuts, False))
+
+
+@settings(max_examples=_n(8))
+@given(programs(stopped_writes=False, compiled=True), st.lists(st.integers(1, 7), max_size=2))
+def test_random_programs_in_checkpointed_segments_compiled(program, cuts):
+    _check_against_rewrite(program, _segmented_run(program, cuts, True))
+
+
+@settings(max_examples=_n(25))
+@given(programs(stopped_writes=False), st.integers(1, 4), st.integers(1, 3))
+def test_random_programs_unrolled(program, steps, every):
+    """The program as the step of ``unroll`` (its parameters constants:
+    a step takes no arguments), against the same loop without it."""
+    from assigntape import unroll
+    from assigntape.testing._interpreter import loss_of, run_statements
+
+    def run(unrolled):
+        vars0, params0, variables, _ = state(program)
+        params = [tf.constant(p, tf.float64) for p in params0]
+        with AssignAwareTape() as tape:
+            store = VariableStore(variables, [tape])
+
+            def step():
+                temps: List[Any] = []
+                run_statements(program, program.statements, store, params, temps)
+                return temps
+
+            if unrolled:
+                temps = unroll(step, steps, checkpoint_every=every)
+            else:
+                for _ in range(steps):
+                    temps = step()
+            loss = loss_of(program, store, temps)
+        return loss, tape.gradient(loss, variables), [tf.convert_to_tensor(v) for v in variables]
+
+    from assigntape.testing._program import assert_close, assert_gradients_close
+
+    loss, grads, finals = run(True)
+    e_loss, e_grads, e_finals = run(False)
+    rtol, atol = tolerances(program)
+    assert_close(loss, e_loss, rtol, atol, "loss")
+    assert_close(finals, e_finals, rtol, atol, "final values")
+    assert_gradients_close(grads, e_grads, rtol, atol, "gradients")

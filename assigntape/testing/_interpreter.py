@@ -304,6 +304,27 @@ EventHandler = Callable[[str, bool, List[Any]], None]
 def interpret(program: "Program", store: Any, params: Sequence[Any], on_event: Optional[EventHandler] = None) -> Any:
     """Runs ``program`` on ``store``; returns its real float64 scalar loss."""
     temps: List[Any] = []
+    run_statements(program, program.statements, store, params, temps, on_event)
+    return loss_of(program, store, temps)
+
+
+def loss_of(program: "Program", store: Any, temps: Sequence[Any]) -> Any:
+    """The program's loss: a real term of every result and every variable's final value."""
+    terms = [_real_term(t) for t in temps]
+    terms += [_real_term(store.final(i)) for i in range(len(program.shapes))]
+    return tf.add_n(terms)
+
+
+def run_statements(
+    program: "Program",
+    statements: Sequence[Any],
+    store: Any,
+    params: Sequence[Any],
+    temps: List[Any],
+    on_event: Optional[EventHandler] = None,
+) -> None:
+    """Runs ``statements`` (some of ``program``'s) on ``store``, appending
+    each result to ``temps`` (the results of the statements before them)."""
     dtypes = program.tf_dtypes
 
     def value_of(operand: Tuple[str, int, int]) -> Any:
@@ -314,7 +335,7 @@ def interpret(program: "Program", store: Any, params: Sequence[Any], on_event: O
             return temps[index]
         return params[index]
 
-    for stmt in program.statements:
+    for stmt in statements:
         if stmt[0] == "event":
             if on_event is None:
                 raise ValueError("this program has tape events: run it with an event handler")
@@ -341,9 +362,6 @@ def interpret(program: "Program", store: Any, params: Sequence[Any], on_event: O
                 store.write_in_function(i, kind, value, spread % (2 if followed else 4), followed)
             else:
                 store.write(i, kind, value, what == "write_stopped")
-    terms = [_real_term(t) for t in temps]
-    terms += [_real_term(store.final(i)) for i in range(len(program.shapes))]
-    return tf.add_n(terms)
 
 
 def make_variables(program: "Program", vars0: Sequence[np.ndarray]) -> List[Any]:

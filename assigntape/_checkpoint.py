@@ -1,0 +1,543 @@
+"""Checkpointed steps and unrolls: one recorded op per segment, re-run backward.
+
+A segment (a ``checkpointed`` call, or ``checkpoint_every`` steps of an
+``unroll``) runs with the tapes of its scope paused. The library's read and
+write paths still serve and make versions, and a log on the scope's
+``owners`` (which every served handle passes through) notes each variable the
+segment touches and, at its first touch (before any write of it), keeps a
+copy of its value: the checkpoint. Afterwards the scope is put back as it was
+(``Scope.state`` / ``put_back``): the segment's inner versions are forgotten,
+and each floating-point variable it wrote gets one new version, the output of
+ONE op recorded on the tapes whose inputs are the versions current at the
+segment's start (and the tensors given to it) and whose outputs are those new
+versions and the float tensors it returned.
+
+That op's backward function puts the checkpoint back in the variables, runs
+the step again under a fresh ``AssignAwareTape`` (the scope set aside),
+differentiates it from its start to its ends, and puts the variables back as
+they were. So the tape keeps, per segment, the checkpoint and the versions at
+its boundary, and nothing from inside it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import tensorflow as tf
+
+from assigntape import _registry, _versions, _writes
+from assigntape._errors import RecomputeError
+from assigntape._record import WriteRecord
+from assigntape._tape import AssignAwareTape
+from assigntape._tf import (
+    dtypes,
+    forwardprop,
+    gen_resource_variable_ops,
+    indexed_slices,
+    nest,
+    op_callbacks,
+    ops,
+    pywrap_tfe,
+    record,
+    tensor_lib,
+)
+
+__all__ = ["checkpointed", "unroll"]
+
+# Stateful random ops that draw from a hidden per-op state no variable holds:
+# a re-run would draw other numbers. (``tf.random.Generator``'s ops and the
+# stateless ones that Keras 3's ``SeedGenerator`` feeds keep their state in a
+# variable: the checkpoint holds it, and the re-run draws the same numbers.)
+_HIDDEN_STATE_RANDOM = frozenset(
+    [
+        "RandomUniform",
+        "RandomUniformInt",
+        "RandomStandardNormal",
+        "TruncatedNormal",
+        "ParameterizedTruncatedNormal",
+        "RandomShuffle",
+        "RandomGamma",
+        "RandomPoisson",
+        "RandomPoissonV2",
+        "Multinomial",
+        "RandomCrop",
+    ]
+)
+
+_WRITE = "Checkpointed"
+
+
+class _TouchLog(Dict[int, Any]):
+    """A scope's ``owners`` while a segment runs: every served handle is set
+    here, so the first setting of each variable is its first touch in the
+    segment, before any write of it (a write fetches the handle it writes
+    through first). There its value is copied. Nothing here may raise (the
+    handle descriptor calls it from TensorFlow's C++ code): an error is kept
+    for the segment to raise."""
+
+    def __init__(self, base: Dict[int, Any]) -> None:
+        super().__init__(base)
+        self.touched: Dict[str, Tuple[Any, Any]] = {}
+        self.error: Optional[BaseException] = None
+
+    def __setitem__(self, key: int, var: Any) -> None:
+        super().__setitem__(key, var)
+        self.note(var)
+
+    def note(self, var: Any) -> None:
+        """``var`` touched: at its first touch, its value copied."""
+        uid = var.__dict__.get("_unique_id")
+        if uid is None or uid in self.touched:
+            return
+        self.touched[uid] = (var, None)
+        try:
+            self.touched[uid] = (var, _read(var))
+        except BaseException as error:  # noqa: B036 - kept, raised by the segment
+            if self.error is None:
+                self.error = error
+
+
+def _read(var: Any) -> Any:
+    """The variable's value now, through its own handle, on no tape."""
+    with record.stop_recording():
+        return gen_resource_variable_ops.read_variable_op(var.__dict__["_handle"], var.dtype)
+
+
+def _assign(var: Any, value: Any) -> None:
+    with record.stop_recording():
+        gen_resource_variable_ops.assign_variable_op(var.__dict__["_handle"], value)
+
+
+def _float(dtype: Any) -> bool:
+    return bool(dtype.is_floating or dtype.is_complex)
+
+
+class _Refusals:
+    """What the first run of a segment must not do: create a variable, run a
+    random op whose state no variable holds, or compute with a tensor that
+    the paused tapes watch and that was not given as an argument (a tensor
+    the step closes over: the segment would cut its gradient). Each is a
+    ``RecomputeError``, raised at the op (before it runs, eagerly)."""
+
+    def __init__(self, name: str, paused: List[Any], args: Sequence[Any], log: _TouchLog, key: Any) -> None:
+        self.name = name
+        self.key = key  # the segment's graph (None: eager)
+        self.paused = paused
+        self.log = log
+        # What the step made (op outputs), and was given: never the tapes'.
+        self.inside: Set[int] = {_key(a) for a in args if isinstance(a, tensor_lib.Tensor)}
+
+    def creator(self, next_creator: Callable[..., Any], **kwargs: Any) -> Any:
+        raise RecomputeError(
+            f"{self.name} created a variable ({kwargs.get('name') or 'unnamed'}) inside a checkpointed "
+            "step: its re-run in the backward pass would create another. Create every variable "
+            "before the step (build the model, and the optimizer: opt.build(model.trainable_variables))."
+        )
+
+    def callback(
+        self, op_type: str, inputs: Any, attrs: Any, outputs: Any, op_name: Any = None, graph: Any = None
+    ) -> Any:
+        if op_type in _HIDDEN_STATE_RANDOM:
+            raise RecomputeError(
+                f"{self.name} ran the random op {op_type} ({op_name or op_type}), whose state no "
+                "variable holds: its re-run in the backward pass would draw other numbers, a "
+                "silently different gradient. Draw from a tf.random.Generator, a Keras "
+                "SeedGenerator, or a stateless op (tf.random.stateless_uniform) whose seed is a "
+                "variable or an argument."
+            )
+        if graph is not self.key:
+            return None  # a function traced meanwhile: its own graph
+        for t in inputs or ():
+            if isinstance(t, tensor_lib.Tensor) and t.dtype == dtypes.resource:
+                # A variable a called tf.function reads through the handle it
+                # captured: not served, so noted here (after the call eagerly:
+                # a function that writes is refused or cut anyway).
+                var = _variable_of(t, self.log)
+                if var is not None:
+                    self.log.note(var)
+        outside = [t for t in inputs or () if _float_tensor(t) and _key(t) not in self.inside]
+        if outside and self.paused:  # (the re-run: its own tape watches all)
+            self._refuse_watched(op_type, outside)
+        for t in outputs or ():
+            if isinstance(t, tensor_lib.Tensor):
+                self.inside.add(_key(t))
+        return None
+
+    def _refuse_watched(self, op_type: str, tensors: List[Any]) -> None:
+        """Refuses a tensor from outside the step that a paused tape watches
+        (asked with them back in TensorFlow's tape set, for that moment)."""
+        for r in self.paused:
+            r.resume()
+        try:
+            watched = pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop(tensors)
+        finally:
+            for r in reversed(self.paused):
+                r.pause()
+        if watched:
+            raise RecomputeError(
+                f"{self.name}: its op {op_type} takes a tensor that the tape differentiates and the "
+                "step closes over: a segment would cut its gradient. Pass it as an argument, "
+                "checkpointed(fn)(tensor), or read it from a variable."
+            )
+
+
+def _variable_of(handle: Any, log: _TouchLog) -> Optional[Any]:
+    """The variable behind a resource input: a version served here, a
+    variable's own eager handle, or (in a function's graph) the capture of one."""
+    var = log.get(id(handle))
+    if var is None:
+        var = _versions.variable_of_handle(handle)
+    if var is None and not isinstance(handle, ops.EagerTensor):
+        for outside, inside in getattr(handle.graph, "captures", ()):
+            if inside is handle:
+                return _versions.variable_of_handle(outside)
+    return var
+
+
+def _key(t: Any) -> int:
+    """A tensor's identity while the segment runs: an eager tensor's
+    never-reused ``_id``, a graph tensor's ``id`` (its graph keeps it)."""
+    found: int = t._id if isinstance(t, ops.EagerTensor) else id(t)
+    return found
+
+
+class _Segment:
+    """What the backward pass of one segment needs: how to run it again, the
+    checkpoint, and what its recorded op's inputs and outputs are."""
+
+    def __init__(
+        self,
+        name: str,
+        run: Callable[..., Any],
+        args: Sequence[Any],
+        touched: Dict[str, Tuple[Any, Any]],
+        inputs: List[Any],
+        written: List[Any],
+        float_out: List[int],
+    ) -> None:
+        self.name = name
+        self.run = run
+        self.args = list(args)
+        self.touched = touched
+        self.inputs = inputs  # the floating-point variables touched
+        self.written = written  # the floating-point variables written
+        self.float_out = float_out  # indices, in nest.flatten(result), of float tensors
+
+    def backward(self, *upstream: Any) -> List[Any]:
+        """The gradients for the recorded op's inputs (the versions of
+        ``inputs`` at the segment's start, then the float tensor arguments)
+        from those of its outputs (the new versions of ``written``, then the
+        float tensors returned)."""
+        key = _registry.current_key()
+        scopes = _registry._scopes()
+        outer = scopes.pop(key, None)
+        paused = [r for r in outer.records if r.recording()] if outer is not None else []
+        for r in paused:
+            r.pause()
+        try:
+            saved = [(var, _read(var)) for var, _ in self.touched.values()]
+            try:
+                return self._differentiate(upstream)
+            finally:
+                for var, value in saved:
+                    _assign(var, value)
+        finally:
+            for r in reversed(paused):
+                r.resume()
+            if outer is not None:
+                scopes[key] = outer
+
+    def _differentiate(self, upstream: Sequence[Any]) -> List[Any]:
+        # In a graph, the re-run starts once the gradients it is given are
+        # computed (the segment after it done): else the executor may run
+        # every segment's re-run ahead at once, holding all their activations.
+        given = [g for g in upstream if isinstance(g, tensor_lib.Tensor) and not isinstance(g, ops.EagerTensor)]
+        with ops.control_dependencies(given):
+            for var, value in self.touched.values():
+                _assign(var, value)
+        tensors = [a for a in self.args if _float_tensor(a)]
+        with AssignAwareTape() as tape:
+            scope = tape._scope
+            assert scope is not None
+            log = scope.owners = _TouchLog(scope.owners)
+            for var in self.inputs:
+                tape.watch(var)
+            tape.watch(tensors)
+            notes = _Refusals(self.name, [], self.args, log, scope.key)
+            op_callbacks.add_op_callback(notes.callback)
+            try:
+                result = self.run(*self.args)
+            finally:
+                op_callbacks.remove_op_callback(notes.callback)
+        # A variable the first run did not touch has no copy; one it wrote and
+        # the re-run did not (or the other way) is another step.
+        wrote = {uid for uid in tape._record.versions}
+        if not set(log.touched) <= set(self.touched) or wrote != {v._unique_id for v in self.written}:
+            raise RecomputeError(
+                f"{self.name}: its re-run in the backward pass touched or wrote other variables than "
+                f"its first run ({_names(log.touched, self.touched, wrote, self.written)}): a Python "
+                "side effect of the step changed what it does. Keep the step a function of the "
+                "variables and its arguments."
+            )
+        flat = nest.flatten(result)
+        targets: List[Any] = []
+        grads_out: List[Any] = []
+        ends = list(self.written) + [flat[i] for i in self.float_out]
+        for end, g in zip(ends, upstream):
+            if g is None:
+                continue
+            if isinstance(g, indexed_slices.IndexedSlices):
+                g = ops.convert_to_tensor(g)
+            targets.append(end)
+            grads_out.append(g)
+        sources = list(self.inputs) + tensors
+        if not targets:
+            return [None] * len(sources)
+        grads: List[Any] = tape.gradient(targets, sources, output_gradients=grads_out)
+        return grads
+
+
+def _accumulating(recorder: Any) -> bool:
+    return isinstance(recorder, forwardprop.ForwardAccumulator) and bool(recorder._recording)
+
+
+def _float_tensor(x: Any) -> bool:
+    return isinstance(x, tensor_lib.Tensor) and x.dtype != dtypes.resource and _float(x.dtype)
+
+
+def _names(a: Dict[str, Tuple[Any, Any]], b: Dict[str, Tuple[Any, Any]], wrote: Set[str], written: List[Any]) -> str:
+    found = {uid: var for uid, (var, _) in {**a, **b}.items()}
+    differ = (set(a) - set(b)) | (wrote ^ {v._unique_id for v in written})
+    return ", ".join(sorted(repr(found[uid].name) for uid in differ if uid in found))
+
+
+def _segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns: bool = True) -> Any:
+    """Runs ``run(*args)`` as one segment of the tape open here, if any;
+    ``returns``: its float results are outputs of the segment's op (not for
+    an unroll's segments before the last, whose results are dropped:
+    TensorFlow would give an output nothing used zeros, not None)."""
+    scopes = getattr(_registry._tls, "scopes", None)
+    scope = _registry._enclosing_scope(scopes) if scopes else None
+    if scope is None or pywrap_tfe.TFE_Py_TapeSetIsStopped() or not any(r.recording() for r in scope.records):
+        # Nothing records here: the step is what it is without the wrapper.
+        return run(*args)
+    paused = [r for r in scope.records if r.recording()]
+    before = scope.state(True)
+    lengths = [{uid: len(v) for uid, v in r.versions.items()} for r in paused]
+    owners = scope.owners
+    log = _TouchLog(owners)
+    refusals = _Refusals(name, paused, args, log, scope.key)
+    for r in paused:
+        r.pause()
+    try:
+        if any(_accumulating(ref()) for ref, _ in _registry.open_plain()):
+            raise RecomputeError(
+                f"{name} was called while a ForwardAccumulator records around it: a segment is "
+                "recorded for reverse mode only, and its outputs would have no tangent. Call the "
+                "step without the wrapper under forward mode (whose memory does not grow with steps)."
+            )
+        if not pywrap_tfe.TFE_Py_TapeSetIsEmpty():
+            raise RecomputeError(
+                f"{name} was called while a plain tf.GradientTape records around it: that tape would "
+                "see none of the step. Make every recording tape around it an AssignAwareTape."
+            )
+        scope.owners = log
+        op_callbacks.add_op_callback(refusals.callback)
+        try:
+            with tf.variable_creator_scope(refusals.creator):
+                result = run(*args)
+            if log.error is not None:
+                raise log.error
+        except BaseException:
+            # Refused (or failed) part way: the variables and the tapes as
+            # before the step, as a refused write leaves them.
+            for var, value in log.touched.values():
+                if value is not None:
+                    _assign(var, value)
+            _forget_inner_versions(scope, before, paused, lengths)
+            raise
+        finally:
+            op_callbacks.remove_op_callback(refusals.callback)
+            scope.owners = owners
+    finally:
+        for r in reversed(paused):
+            r.resume()
+    after = dict(scope.current)
+    entry = before[1]
+    _forget_inner_versions(scope, before, paused, lengths)
+    inputs: List[Any] = []
+    starts: List[Any] = []
+    written: List[Any] = []
+    for uid, (var, _) in log.touched.items():
+        scope.seen.add(uid)
+        if not _float(var.dtype):
+            continue
+        inputs.append(var)
+        starts.append(entry.get(uid, _versions.canonical_handle(var)))
+        if after.get(uid) is not entry.get(uid):
+            written.append(var)
+    flat = nest.flatten(result)
+    float_out = [i for i, t in enumerate(flat) if _float_tensor(t)] if returns else []
+    tensors = [a for a in args if _float_tensor(a)]
+    segment = _Segment(name, run, args, log.touched, inputs, written, float_out)
+    # Watched as the step's reads would have them watched (the versions at
+    # its start), before the new versions are made current.
+    for var in inputs:
+        _writes.watch(scope, var)
+    ends = [_versions.new_version(after[var._unique_id], None) for var in written]
+    outputs = [*ends, *(flat[i] for i in float_out)]
+    record.record_operation_backprop_only(_WRITE, outputs, [*starts, *tensors], segment.backward)
+    for var, end in zip(written, ends):
+        scope.advance(var, scope.current_version(var), end, WriteRecord(_WRITE))
+    return result
+
+
+def _forget_inner_versions(
+    scope: _versions.Scope, before: Tuple[Any, ...], records: List[Any], lengths: List[Dict[str, int]]
+) -> None:
+    """The scope (``before``, its ``state(True)``) and each record as before
+    the segment (``lengths``: its versions per variable then)."""
+    scope.put_back(before)
+    for r, known in zip(records, lengths):
+        for uid in list(r.versions):
+            n = known.get(uid, 0)
+            if n == 0:
+                del r.versions[uid]
+                del r.writes[uid]
+            else:
+                del r.versions[uid][n:]
+                del r.writes[uid][n - 1 :]
+
+
+def checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps a step that reads and writes variables so that a tape keeps
+    only its boundary: the step is run again in the backward pass.
+
+    Inside an open ``AssignAwareTape``, each call of the wrapper runs ``fn``
+    with the tape not recording, keeps a copy of every variable it touches
+    (at its first touch) and records one op: from the versions of those
+    variables at the call to the new versions of the variables it wrote and
+    the floating-point tensors it returned. The backward pass puts the copies
+    back, runs ``fn`` again under its own tape, and differentiates it.
+    Values, gradients and ``None``-ness are those of the same calls without
+    the wrapper. Outside a recording tape the wrapper just calls ``fn``.
+
+    Tensors the tape watches that ``fn`` should differentiate must be passed
+    as arguments (``checkpointed(fn)(x)``): a tensor ``fn`` closes over is a
+    constant to it. ``fn`` must compute the same thing when run again from
+    the same variables: see ``RecomputeError`` for what is refused.
+
+    Args:
+      fn: a callable, such as one inner training step (a forward pass, a
+        plain tape's gradient and ``opt.apply_gradients``).
+
+    Returns:
+      A callable taking ``fn``'s positional arguments and returning what
+      ``fn`` returns.
+
+    Example:
+
+    >>> w, lr = tf.Variable(2.0), tf.Variable(0.1)
+    >>> step = checkpointed(lambda: w.assign_sub(lr * 2.0 * w))
+    >>> with AssignAwareTape() as tape:
+    ...     for _ in range(3):
+    ...         _ = step()
+    ...     loss = w * 1.0
+    >>> round(float(tape.gradient(loss, lr)), 4)  # d(2 (1 - 2 lr)^3)/d lr
+    -7.68
+    """
+    name = f"checkpointed({getattr(fn, '__name__', 'fn')})"
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        return _segment(name, fn, args)
+
+    return call
+
+
+def unroll(
+    fn: Callable[[], Any], steps: int, checkpoint_every: Optional[int] = None, truncate: Optional[int] = None
+) -> Any:
+    """Calls ``fn`` ``steps`` times, in segments of ``checkpoint_every``
+    steps that the tape keeps only at their boundaries.
+
+    The carried state is found from the writes: the variables the steps
+    write (weights, optimizer slots, counters, moving statistics), so ``fn``
+    is the plain step, as it would be called in a loop. Each segment is one
+    ``checkpointed`` call; the backward pass runs one segment at a time
+    again, so the tape's memory grows like ``steps / checkpoint_every``
+    checkpoints plus one segment's steps (about ``2 sqrt(steps)`` steps with
+    the default). The result equals the loop without ``unroll``.
+
+    Args:
+      fn: a zero-argument step (see ``checkpointed`` for what it may do).
+      steps: a Python int.
+      checkpoint_every: steps per segment; default ``ceil(sqrt(steps))``
+        (of the differentiated steps, with ``truncate``).
+      truncate: differentiate only the last ``truncate`` steps: the steps
+        before them run as under the tape's ``stop_recording()`` (their
+        writes are new versions with no gradient path).
+
+    Returns:
+      What the last call of ``fn`` returned (None for zero steps).
+
+    Raises:
+      RecomputeError: ``steps`` is a tensor (the number of segments must be
+        known when the tape records), or what ``checkpointed`` refuses.
+
+    Example:
+
+    >>> w, lr = tf.Variable(2.0), tf.Variable(0.1)
+    >>> with AssignAwareTape() as tape:
+    ...     _ = unroll(lambda: w.assign_sub(lr * 2.0 * w), steps=3, checkpoint_every=2)
+    ...     loss = w * 1.0
+    >>> round(float(tape.gradient(loss, lr)), 4)
+    -7.68
+    """
+    if isinstance(steps, tensor_lib.Tensor) or not isinstance(steps, numbers.Integral):
+        raise RecomputeError(
+            f"unroll was given steps={steps!r}: it takes a Python int (the tape records one op per "
+            "segment, so their number must be known while it records). Pass int(steps), or loop "
+            "over checkpointed(fn) calls yourself."
+        )
+    if steps < 0 or (checkpoint_every is not None and checkpoint_every < 1) or (truncate is not None and truncate < 0):
+        raise ValueError(f"unroll: steps ({steps}) and truncate must be >= 0, checkpoint_every >= 1")
+    steps = int(steps)
+    kept = steps if truncate is None else min(truncate, steps)
+    result = None
+    if steps > kept:
+        result = _cut_steps(fn, steps - kept)
+    every = checkpoint_every or max(1, math.ceil(math.sqrt(kept)))
+    name = f"unroll({getattr(fn, '__name__', 'fn')})"
+    done = 0
+    while done < kept:
+        n = min(every, kept - done)
+        done += n
+        result = _segment(name, functools.partial(_steps, fn, n), (), returns=done == kept)
+    return result
+
+
+def _steps(fn: Callable[[], Any], n: int) -> Any:
+    result = None
+    for _ in range(n):
+        result = fn()
+    return result
+
+
+def _cut_steps(fn: Callable[[], Any], n: int) -> Any:
+    """``n`` steps as under the tapes' ``stop_recording()``: every
+    ``AssignAwareTape`` of the scope paused (a plain tape ``fn`` opens
+    records, as it would there: ``record.stop_recording()`` would stop it)."""
+    scopes = getattr(_registry._tls, "scopes", None)
+    scope = _registry._enclosing_scope(scopes) if scopes else None
+    paused = [r for r in scope.records if r.recording()] if scope is not None else []
+    for r in paused:
+        r.pause()
+    try:
+        return _steps(fn, n)
+    finally:
+        for r in reversed(paused):
+            r.resume()

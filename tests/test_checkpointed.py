@@ -1,0 +1,324 @@
+"""``checkpointed`` steps and ``unroll``: the same values and gradients as the loop without them.
+
+Each case runs K inner Keras steps (a forward pass, a plain tape's gradient,
+``apply_gradients``) inside an ``AssignAwareTape`` and differentiates a
+validation loss (plus the last step's returned loss) with respect to the
+learning rate (a ``tf.Variable`` behind a callable) and the initial weights.
+The oracle is the same loop without the wrappers under ``AssignAwareTape``;
+for SGD also the assignment-free rewrite under a plain ``tf.GradientTape``.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from oracle import assert_grads_close, modes, run
+
+from assigntape import AssignAwareTape, RecomputeError, checkpointed, unroll
+
+RTOL = {"float32": (1e-5, 1e-6), "float64": (1e-10, 1e-12)}
+X = np.linspace(-1.0, 1.0, 24).reshape(8, 3)
+Y = np.sin(X.sum(axis=1, keepdims=True))
+XV, YV = X[::-1] * 0.5, Y[::-1]
+
+
+def _initial(bn):
+    rng = np.random.default_rng(7)
+    ws = [rng.normal(size=(3, 4)) * 0.5, rng.normal(size=(4,)) * 0.1]
+    if bn:
+        ws += [np.ones(4), np.zeros(4), np.zeros(4), np.ones(4)]
+    return ws + [rng.normal(size=(4, 1)) * 0.5, np.zeros((1,))]
+
+
+def _setup(opt_name, dtype, bn=False, lr0=0.05):
+    layers = [keras.Input((3,), dtype=dtype), keras.layers.Dense(4, activation="tanh", dtype=dtype)]
+    if bn:
+        layers.append(keras.layers.BatchNormalization(dtype=dtype, momentum=0.8))
+    layers.append(keras.layers.Dense(1, dtype=dtype))
+    model = keras.Sequential(layers)
+    model.set_weights(_initial(bn))
+    lr_var = tf.Variable(lr0, dtype=dtype)
+    lr = lambda: lr_var  # noqa: E731  Keras 3 rejects a tf.Variable learning rate
+    opt = {
+        "sgd": lambda: keras.optimizers.SGD(learning_rate=lr),
+        "momentum": lambda: keras.optimizers.SGD(learning_rate=lr, momentum=0.9),
+        # (epsilon 1e-3: with Keras' 1e-7, Adam's first steps divide by the
+        # root of second moments near 0 and the hypergradient is so ill
+        # conditioned that the same loop eager and compiled differ at 1e-6.)
+        "adam": lambda: keras.optimizers.Adam(learning_rate=lr, epsilon=1e-3),
+    }[opt_name]()
+    opt.build(model.trainable_variables)
+    return model, lr_var, opt
+
+
+def _meta(opt_name, dtype, how, k, every=None, bn=False, truncate=None):
+    """The program: K steps made ``how`` ("loop", "checkpointed", "unroll"),
+    then the validation loss; its value, gradients and the variables after."""
+    model, lr_var, opt = _setup(opt_name, dtype, bn)
+    x, y = tf.constant(X, dtype), tf.constant(Y, dtype)
+    xv, yv = tf.constant(XV, dtype), tf.constant(YV, dtype)
+    weights = model.trainable_variables
+
+    def step():
+        with tf.GradientTape() as inner:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        grads = inner.gradient(loss, weights)
+        opt.apply_gradients(zip(grads, weights))
+        return loss
+
+    def program():
+        with AssignAwareTape() as tape:
+            if how == "loop":
+                last = None
+                if truncate is not None:
+                    with tape.stop_recording():
+                        for _ in range(k - truncate):
+                            last = step()
+                for _ in range(k if truncate is None else truncate):
+                    last = step()
+            elif how == "checkpointed":
+                wrapped = checkpointed(step)
+                for _ in range(k):
+                    last = wrapped()
+            else:
+                last = unroll(step, k, checkpoint_every=every, truncate=truncate)
+            val = tf.reduce_mean((model(xv, training=False) - yv) ** 2) + 0.1 * last
+        return val, tape.gradient(val, [lr_var, *[w.value for w in weights]])
+
+    return program, model, opt
+
+
+def _compare(mode, opt_name, dtype, how, k, every=None, bn=False, truncate=None):
+    program, model, opt = _meta(opt_name, dtype, "loop", k, bn=bn, truncate=truncate)
+    expected = run(mode, program)
+    expected_state = [v.numpy() for v in model.variables + opt.variables]
+    program, model, opt = _meta(opt_name, dtype, how, k, every, bn=bn, truncate=truncate)
+    actual = run(mode, program)
+    rtol, atol = RTOL[dtype]
+    assert_grads_close(actual, expected, rtol=rtol, atol=atol)
+    for a, e in zip([v.numpy() for v in model.variables + opt.variables], expected_state):
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+    return actual
+
+
+@modes
+@pytest.mark.parametrize("opt_name", ["sgd", "momentum", "adam"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_checkpointed_steps_equal_the_loop(mode, opt_name, dtype):
+    _compare(mode, opt_name, dtype, "checkpointed", 3)
+
+
+@modes
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_batch_normalization_moving_statistics(mode, opt_name):
+    _compare(mode, opt_name, "float64", "checkpointed", 3, bn=True)
+    _compare(mode, opt_name, "float64", "unroll", 7, every=3, bn=True)
+
+
+# -- what a re-run reproduces, and what is refused --------------------------------
+
+
+def _dropout_program(how, mode_seed):
+    """A step with dropout drawn from state held in a variable: Keras 3's
+    SeedGenerator, or a tf.random.Generator."""
+    w = tf.Variable(np.linspace(-1.0, 1.0, 12).reshape(3, 4), dtype="float64")
+    lr = tf.Variable(0.1, dtype="float64")
+    x = tf.constant(X, "float64")
+    if mode_seed == "keras":
+        layer = keras.layers.Dropout(0.5, seed=11, dtype="float64")
+
+        def drop(h):
+            return layer(h, training=True)
+    else:
+        gen = tf.random.Generator.from_seed(11)
+
+        def drop(h):
+            return h * tf.cast(gen.uniform(tf.shape(h), dtype=tf.float64) > 0.5, tf.float64) * 2.0
+
+    def step():
+        with tf.GradientTape() as inner:
+            loss = tf.reduce_mean(drop(tf.tanh(tf.matmul(x, w))) ** 2)
+        w.assign_sub(lr * inner.gradient(loss, w))
+        return loss
+
+    def program():
+        with AssignAwareTape() as tape:
+            if how == "loop":
+                for _ in range(4):
+                    last = step()
+            else:
+                last = unroll(step, 4, checkpoint_every=3)
+            val = tf.reduce_sum(w) + last
+        return val, tape.gradient(val, [lr, w])
+
+    return program
+
+
+@modes
+@pytest.mark.parametrize("source", ["keras", "generator"])
+def test_randomness_held_in_a_variable_is_drawn_again_the_same(mode, source):
+    expected = run(mode, _dropout_program("loop", source))
+    actual = run(mode, _dropout_program("unroll", source))
+    assert_grads_close(actual, expected, rtol=1e-10, atol=1e-12)
+
+
+@modes
+def test_random_op_without_a_generator_is_refused(mode):
+    w = tf.Variable(1.0)
+
+    def step():
+        w.assign(w * 2.0)  # written, then put back by the refusal
+        return w.assign(w * tf.random.uniform([]))
+
+    def program():
+        with AssignAwareTape() as tape:
+            checkpointed(step)()
+        return tape
+
+    with pytest.raises(RecomputeError, match="RandomUniform"):
+        run(mode, program)
+    assert float(w) == 1.0
+
+
+def test_variable_created_in_the_step_is_refused():
+    w = tf.Variable(1.0)
+    made = []
+
+    def step():
+        made.append(tf.Variable(2.0, name="inside"))
+        return w.assign(w * made[-1])
+
+    with AssignAwareTape():
+        with pytest.raises(RecomputeError, match="created a variable.*inside"):
+            checkpointed(step)()
+
+
+def test_python_side_effect_changing_what_the_rerun_touches_is_refused():
+    a, b = tf.Variable(1.0, name="a"), tf.Variable(2.0, name="b")
+    w = tf.Variable(3.0, name="w")
+    calls = []
+
+    def step():
+        calls.append(1)
+        source = a if len(calls) == 1 else b  # the re-run reads another variable
+        return w.assign(w * source)
+
+    with AssignAwareTape() as tape:
+        loss = checkpointed(step)() * 1.0
+    with pytest.raises(RecomputeError, match="'b:0'"):
+        tape.gradient(loss, a)
+
+
+def test_plain_tape_recording_around_is_refused():
+    w = tf.Variable(1.0)
+    with tf.GradientTape(), AssignAwareTape():
+        with pytest.raises(RecomputeError, match="plain tf.GradientTape"):
+            checkpointed(lambda: w.assign(2.0 * w))()
+    assert float(w) == 1.0
+
+
+def test_tensor_steps_are_refused():
+    @tf.function
+    def program(n):
+        with AssignAwareTape():
+            unroll(lambda: None, n)
+
+    with pytest.raises(RecomputeError, match="Python int"):
+        program(tf.constant(3))
+
+
+def test_write_from_another_thread_during_the_step_is_refused():
+    import threading
+
+    from assigntape import AssignTapeError
+
+    w = tf.Variable(1.0, name="w_thread")
+    errors = []
+
+    def other():
+        try:
+            w.assign(5.0)
+        except AssignTapeError as error:
+            errors.append(error)
+
+    def step():
+        value = w.assign(2.0 * w)
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        return value
+
+    with AssignAwareTape():
+        checkpointed(step)()
+    assert errors and float(w) == 2.0
+
+
+@modes
+def test_tensor_arguments_are_differentiated(mode):
+    """A watched tensor reaches the step as an argument (one it closed over
+    would be a constant to it)."""
+
+    def program(wrap):
+        w = tf.Variable(2.0, dtype="float64")
+
+        def body():
+            x = tf.constant(3.0, "float64")
+            with AssignAwareTape() as tape:
+                tape.watch(x)
+                out = wrap(lambda t: w.assign(w * t) * t)(x)
+                loss = out + w
+            return tape.gradient(loss, [x, w])
+
+        return body
+
+    expected = run(mode, program(lambda f: f))
+    actual = run(mode, program(checkpointed))
+    assert_grads_close(actual, expected, rtol=1e-12, atol=0)
+
+
+@modes
+def test_watched_tensor_the_step_closes_over_is_refused(mode):
+    w = tf.Variable(2.0)
+
+    def program():
+        x = tf.constant(3.0)
+        with AssignAwareTape() as tape:
+            tape.watch(x)
+            y = x * 2.0
+            checkpointed(lambda: w.assign(w * y))()
+
+    with pytest.raises(RecomputeError, match="closes over"):
+        run(mode, program)
+
+
+def test_forward_accumulator_around_is_refused():
+    from assigntape import ForwardAccumulator
+
+    w, x = tf.Variable(1.0), tf.constant(2.0)
+    with ForwardAccumulator(x, tf.constant(1.0)), AssignAwareTape():
+        with pytest.raises(RecomputeError, match="ForwardAccumulator"):
+            checkpointed(lambda: w.assign(x * w))()
+    assert float(w) == 1.0
+
+
+def test_docstring_examples():
+    import doctest
+
+    from assigntape import _checkpoint
+
+    globs = {"tf": tf, "AssignAwareTape": AssignAwareTape, "checkpointed": checkpointed, "unroll": unroll}
+    failures, tried = doctest.testmod(_checkpoint, globs=globs)
+    assert tried >= 2 and failures == 0
+
+
+def test_refusal_leaves_the_tape_as_before_the_step():
+    w = tf.Variable(1.0)
+    with AssignAwareTape() as tape:
+        w.assign(3.0 * w)
+        with pytest.raises(RecomputeError):
+            checkpointed(lambda: [w.assign(w * 2.0), tf.random.normal([])])()
+        loss = w * 1.0
+    assert float(loss) == 3.0 and len(tape.versions(w)) == 2
+    assert float(tape.gradient(loss, w)) == 3.0

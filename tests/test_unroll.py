@@ -1,0 +1,66 @@
+"""``unroll``: K steps in segments of ``checkpoint_every``, equal to the loop.
+
+K = 1, 7, 64 with ``checkpoint_every`` not dividing K, SGD, momentum and
+Adam, float32 and float64, eager and compiled; truncation against the loop
+whose early steps run under the tape's ``stop_recording()``; and SGD against
+the assignment-free rewrite under a plain ``tf.GradientTape``. The programs
+are ``test_checkpointed``'s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tensorflow as tf
+from oracle import assert_grads_close, modes
+from test_checkpointed import XV, YV, X, Y, _compare, _initial, _meta
+
+
+@modes
+@pytest.mark.parametrize(
+    "opt_name, dtype, k, every",
+    [
+        ("sgd", "float32", 1, None),
+        ("momentum", "float64", 7, 3),
+        ("adam", "float32", 7, None),
+        ("momentum", "float32", 64, None),
+    ],
+)
+def test_unroll_equals_the_loop(mode, opt_name, dtype, k, every):
+    _compare(mode, opt_name, dtype, "unroll", k, every)
+
+
+def test_long_adam_unroll_equals_the_loop():
+    """(Eagerly only: tracing 64 Adam steps twice costs a minute and a half.)"""
+    _compare("eager", "adam", "float64", "unroll", 64, 5)
+
+
+@modes
+def test_truncated_unroll_equals_the_loop_with_early_steps_stopped(mode):
+    grads = _compare(mode, "momentum", "float64", "unroll", 9, every=2, truncate=4)
+    assert grads[1][0] is not None
+
+
+def test_sgd_unroll_equals_the_assignment_free_rewrite():
+    """The rewrite: weights as tensors, w <- w - lr * g, under a plain tape."""
+    k = 5
+    program, _, _ = _meta("sgd", "float64", "unroll", k, every=2)
+    actual = program()
+    ws0 = [tf.constant(w) for w in _initial(False)]
+    lr = tf.constant(0.05, tf.float64)
+    x, y, xv, yv = (tf.constant(a, tf.float64) for a in (X, Y, XV, YV))
+
+    def forward(ws, inp):
+        return tf.matmul(tf.tanh(tf.matmul(inp, ws[0]) + ws[1]), ws[2]) + ws[3]
+
+    with tf.GradientTape() as tape:
+        tape.watch([lr, *ws0])
+        ws = list(ws0)
+        for _ in range(k):
+            with tf.GradientTape() as inner:
+                inner.watch(ws)
+                loss = tf.reduce_mean((forward(ws, x) - y) ** 2)
+            gs = inner.gradient(loss, ws)
+            ws = [w - lr * g for w, g in zip(ws, gs)]
+        val = tf.reduce_mean((forward(ws, xv) - yv) ** 2) + 0.1 * loss
+    expected = (val, tape.gradient(val, [lr, *ws0]))
+    assert_grads_close(actual, expected, rtol=1e-10, atol=1e-12)
