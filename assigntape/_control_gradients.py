@@ -303,6 +303,18 @@ def branch_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     func_graph, grads = bind(_params(wrapped), args, kwargs).values()
     outputs = func_graph.outputs
     _note_gradient(func_graph)
+    if len(outputs) < len(grads) and any(
+        isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now()
+    ):
+        # Seen for tf.gradients through a cond whose branch writes, under a
+        # tape of ours inside a recording accumulator: the accumulator's jvp
+        # rewrote the cond, and TensorFlow's own assertion would fail bare.
+        raise ControlFlowWriteError(
+            f"A reverse gradient (tf.gradients) through the tf.cond branch {func_graph.name!r} while a "
+            "ForwardAccumulator records: its forward mode already differentiated this cond, and "
+            "TensorFlow cannot build a second gradient of it here (a bare AssertionError). Take the "
+            "jvp and the reverse gradient in separate calls (each alone is right)."
+        )
     if len(outputs) <= len(grads) or not getattr(_differentiating, "depth", 0):
         return wrapped(*args, **kwargs)
     # ``_grad_fn`` pairs ``func_graph.outputs`` with ``grads`` and reads nothing
