@@ -172,6 +172,10 @@ class _Refusals:
         self.log = log
         # What the step made (op outputs), and was given: never the tapes'.
         self.inside: Set[int] = {_key(a) for a in args if isinstance(a, tensor_lib.Tensor)}
+        # Eager tensors' ids only grow: one at least this was made in the step
+        # (also the reads TensorFlow's C fast path makes of a variable passed
+        # to an op, which no op callback sees).
+        self.first_id = ops.uid()
 
     def creator(self, next_creator: Callable[..., Any], **kwargs: Any) -> Any:
         raise RecomputeError(
@@ -186,7 +190,7 @@ class _Refusals:
         if graph is None:  # (a graph's ops: looked at once it is built, ``scan``)
             found = _hidden_state_in(op_type, (), set())  # (a function: its name)
             iterator = inputs[0] if op_type in _ITERATOR_NEXT and inputs else None
-            if found is None and iterator is not None and _key(iterator) not in self.inside:
+            if found is None and iterator is not None and not self.made(iterator):
                 found = op_type
             if found is not None:
                 self.refuse_hidden_state(found)
@@ -200,13 +204,17 @@ class _Refusals:
                 var = _variable_of(t, self.log)
                 if var is not None:
                     self.log.note(var)
-        outside = [t for t in inputs or () if _float_tensor(t) and _key(t) not in self.inside]
+        outside = [t for t in inputs or () if _float_tensor(t) and not self.made(t)]
         if outside and self.paused:  # (the re-run: its own tape watches all)
             self._refuse_watched(op_type, outside)
         for t in outputs or ():
             if isinstance(t, tensor_lib.Tensor):
                 self.inside.add(_key(t))
         return None
+
+    def made(self, t: Any) -> bool:
+        """``t`` was given to the step or made by it."""
+        return _key(t) in self.inside or (isinstance(t, ops.EagerTensor) and t._id >= self.first_id)
 
     def refuse_hidden_state(self, found: str) -> None:
         raise RecomputeError(
@@ -236,6 +244,11 @@ class _Refusals:
     def _refuse_watched(self, op_type: str, tensors: List[Any]) -> None:
         """Refuses a tensor from outside the step that a paused tape watches
         (asked with them back in TensorFlow's tape set, for that moment)."""
+        # (A tf.function's call runs with the tape set stopped: its captures,
+        # inputs of the call op, are asked with it restarted for that moment.)
+        stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+        if stopped:
+            pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
         for r in self.paused:
             r.resume()
         try:
@@ -243,6 +256,8 @@ class _Refusals:
         finally:
             for r in reversed(self.paused):
                 r.pause()
+            if stopped:
+                pywrap_tfe.TFE_Py_TapeSetStopOnThread()
         if watched:
             raise RecomputeError(
                 f"{self.name}: its op {op_type} takes a tensor that the tape differentiates and the "

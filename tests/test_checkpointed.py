@@ -462,3 +462,47 @@ def test_tensor_from_before_the_step_returned_as_is(mode, returned):
     expected = run(mode, program(lambda f: f))
     actual = run(mode, program(checkpointed))
     assert_grads_close(actual, expected, rtol=1e-6, atol=0)
+
+
+# --- what the step made or was given, and what it closes over
+
+
+@pytest.mark.parametrize("layer", ["tf_keras_dense", "tanh"])
+def test_variable_passed_to_an_op_in_an_inner_tape_is_not_refused(layer):
+    # The read TensorFlow's C fast path makes of a variable passed to an op
+    # (tf.nn.bias_add, tf.tanh) is made in the step, though no op callback
+    # sees it: not a watched tensor the step closes over.
+    import tf_keras
+
+    def program(wrap):
+        dense = tf_keras.layers.Dense(2)
+        dense.build((None, 2))
+        dense.set_weights([np.array([[0.3, -0.2], [0.5, 0.1]], np.float32), np.array([0.1, -0.3], np.float32)])
+        x, lr = tf.ones([4, 2]), tf.Variable(0.1)
+        f = dense if layer == "tf_keras_dense" else lambda x: tf.tanh(dense.bias) * x
+        ws = dense.trainable_variables
+
+        def step():
+            with tf.GradientTape() as inner:
+                loss = tf.reduce_sum(f(x) ** 2)
+            for v, g in zip(ws, inner.gradient(loss, ws)):
+                if g is not None:
+                    v.assign_sub(lr * g)
+
+        with AssignAwareTape() as tape:
+            wrap(step)()
+            y = tf.reduce_sum(f(x))
+        return y, tape.gradient(y, [lr, *ws])
+
+    assert_grads_close(program(checkpointed), program(lambda f: f), rtol=1e-6, atol=1e-7)
+
+
+def test_watched_tensor_a_called_function_captures_is_refused():
+    x = tf.constant(2.0, tf.float64)
+    v = tf.Variable(1.0, dtype=tf.float64)
+    with AssignAwareTape() as tape:
+        tape.watch(x)
+        xs = x * 1.0
+        use = tf.function(lambda: xs * 3.0)
+        with pytest.raises(RecomputeError, match="closes over"):
+            checkpointed(lambda: v.assign(v * use()))()
