@@ -553,7 +553,7 @@ def _segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns: b
     segment.prints = _fingerprints(written, [flat[i] for i in float_out])
     # Watched as the step's reads would have them watched (the versions at
     # its start), before the new versions are made current.
-    for var in inputs:
+    for var, _ in log.touched.values():  # (all, as the reads would: watched_variables lists them)
         _writes.watch(scope, var)
     ends = [_versions.new_version(after[var._unique_id], None) for var in written]
     outputs = [*ends, *(flat[i] for i in float_out)]
