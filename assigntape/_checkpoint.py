@@ -240,6 +240,11 @@ class _Refusals:
                 found = op.type
             if found is not None:
                 self.refuse_hidden_state(f"{found} ({op.name})")
+            # (a call of a function, which no graph op callback sees, takes
+            # what the function captures as inputs: the closes-over refusal)
+            outside = [t for t in op.inputs if _float_tensor(t) and id(t.op) not in inside and not self.made(t)]
+            if outside and self.paused:
+                self._refuse_watched(op.type, outside)
 
     def _refuse_watched(self, op_type: str, tensors: List[Any]) -> None:
         """Refuses a tensor from outside the step that a paused tape watches

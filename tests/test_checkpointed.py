@@ -497,12 +497,17 @@ def test_variable_passed_to_an_op_in_an_inner_tape_is_not_refused(layer):
     assert_grads_close(program(checkpointed), program(lambda f: f), rtol=1e-6, atol=1e-7)
 
 
-def test_watched_tensor_a_called_function_captures_is_refused():
+@modes
+def test_watched_tensor_a_called_function_captures_is_refused(mode):
     x = tf.constant(2.0, tf.float64)
     v = tf.Variable(1.0, dtype=tf.float64)
-    with AssignAwareTape() as tape:
-        tape.watch(x)
-        xs = x * 1.0
-        use = tf.function(lambda: xs * 3.0)
-        with pytest.raises(RecomputeError, match="closes over"):
+
+    def program():
+        with AssignAwareTape() as tape:
+            tape.watch(x)
+            xs = x * 1.0
+            use = tf.function(lambda: xs * 3.0)
             checkpointed(lambda: v.assign(v * use()))()
+
+    with pytest.raises(RecomputeError, match="closes over"):
+        run(mode, program)
