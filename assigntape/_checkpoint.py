@@ -33,12 +33,14 @@ from assigntape._errors import RecomputeError
 from assigntape._record import WriteRecord
 from assigntape._tape import AssignAwareTape
 from assigntape._tf import (
+    context,
     dtypes,
     forwardprop,
     gen_resource_variable_ops,
     indexed_slices,
     nest,
     op_callbacks,
+    op_def_registry,
     ops,
     pywrap_tfe,
     record,
@@ -47,25 +49,66 @@ from assigntape._tf import (
 
 __all__ = ["checkpointed", "unroll"]
 
-# Stateful random ops that draw from a hidden per-op state no variable holds:
-# a re-run would draw other numbers. (``tf.random.Generator``'s ops and the
-# stateless ones that Keras 3's ``SeedGenerator`` feeds keep their state in a
-# variable: the checkpoint holds it, and the re-run draws the same numbers.)
-_HIDDEN_STATE_RANDOM = frozenset(
-    [
-        "RandomUniform",
-        "RandomUniformInt",
-        "RandomStandardNormal",
-        "TruncatedNormal",
-        "ParameterizedTruncatedNormal",
-        "RandomShuffle",
-        "RandomGamma",
-        "RandomPoisson",
-        "RandomPoissonV2",
-        "Multinomial",
-        "RandomCrop",
-    ]
+# Stateful ops whose side effect changes no value the step computes with.
+_HARMLESS = frozenset(["Assert", "Print", "PrintV2", "Timestamp", "EagerPyFunc", "PyFunc"])
+# Ops that take the next element of an iterator: one made before the step
+# holds a position no variable holds (the re-run would take the next ones).
+_ITERATOR_NEXT = frozenset(
+    ["IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional", "MultiDeviceIteratorGetNextFromShard"]
 )
+_RESOURCE = 20  # types_pb2.DT_RESOURCE
+
+
+@functools.lru_cache(maxsize=None)
+def _hidden_state_op(op_type: str) -> bool:
+    """A primitive op with a state no variable holds: stateful (op_def), and
+    neither a variable's nor any resource's op (those take or make a resource:
+    a variable, whose value the checkpoint holds, such as a tf.random.Generator's
+    state, or a table, queue or tensor array), nor one whose side effect no
+    value sees (an assertion, a print). What is left draws from a per-op state
+    in the kernel: the random ops and candidate samplers. (The stateless
+    random ops Keras' SeedGenerator feeds are not stateful.)"""
+    op_def = op_def_registry.get(op_type)
+    if op_def is None or not op_def.is_stateful or op_type in _HARMLESS:
+        return False
+    args = [*op_def.input_arg, *op_def.output_arg]
+    return not any(a.type == _RESOURCE for a in args) and not any(a.name == "f" for a in op_def.attr)
+
+
+def _function_def(name: str) -> Any:
+    graph: Any = ops.get_default_graph()
+    while graph is not None:
+        found = graph._get_function(name) if hasattr(graph, "_get_function") else None
+        if found is not None:
+            return found.cached_definition if hasattr(found, "cached_definition") else found.definition
+        graph = getattr(graph, "outer_graph", None)
+    try:
+        return context.context().get_function_def(name)
+    except Exception:  # noqa: BLE001 - not a function known here: nothing to look into
+        return None
+
+
+def _hidden_state_in(op_type: str, attrs: Any, seen: Set[str]) -> Optional[str]:
+    """The first op with hidden state (``_hidden_state_op``) in ``op_type``
+    or, for a function (a call of a traced tf.function, a cond or loop op),
+    in the functions it runs, looked into (once each); or None."""
+    if _hidden_state_op(op_type):
+        return op_type
+    names = [op_type] if op_def_registry.get(op_type) is None else []
+    for value in attrs:
+        names += [value.func.name] if value.HasField("func") else []
+        names += [f.name for f in value.list.func]
+    for name in names:
+        if name in seen:
+            continue
+        seen.add(name)
+        fdef = _function_def(name)
+        for node in fdef.node_def if fdef is not None else ():
+            found = _hidden_state_in(node.op, list(node.attr.values()), seen)
+            if found is not None:
+                return f"{found} (in {name})"
+    return None
+
 
 _WRITE = "Checkpointed"
 
@@ -129,6 +172,10 @@ class _Refusals:
         self.log = log
         # What the step made (op outputs), and was given: never the tapes'.
         self.inside: Set[int] = {_key(a) for a in args if isinstance(a, tensor_lib.Tensor)}
+        # Eager tensors' ids only grow: one at least this was made in the step
+        # (also the reads TensorFlow's C fast path makes of a variable passed
+        # to an op, which no op callback sees).
+        self.first_id = ops.uid()
 
     def creator(self, next_creator: Callable[..., Any], **kwargs: Any) -> Any:
         raise RecomputeError(
@@ -140,14 +187,13 @@ class _Refusals:
     def callback(
         self, op_type: str, inputs: Any, attrs: Any, outputs: Any, op_name: Any = None, graph: Any = None
     ) -> Any:
-        if op_type in _HIDDEN_STATE_RANDOM:
-            raise RecomputeError(
-                f"{self.name} ran the random op {op_type} ({op_name or op_type}), whose state no "
-                "variable holds: its re-run in the backward pass would draw other numbers, a "
-                "silently different gradient. Draw from a tf.random.Generator, a Keras "
-                "SeedGenerator, or a stateless op (tf.random.stateless_uniform) whose seed is a "
-                "variable or an argument."
-            )
+        if graph is None:  # (a graph's ops: looked at once it is built, ``scan``)
+            found = _hidden_state_in(op_type, (), set())  # (a function: its name)
+            iterator = inputs[0] if op_type in _ITERATOR_NEXT and inputs else None
+            if found is None and iterator is not None and not self.made(iterator):
+                found = op_type
+            if found is not None:
+                self.refuse_hidden_state(found)
         if graph is not self.key:
             return None  # a function traced meanwhile: its own graph
         for t in inputs or ():
@@ -158,7 +204,7 @@ class _Refusals:
                 var = _variable_of(t, self.log)
                 if var is not None:
                     self.log.note(var)
-        outside = [t for t in inputs or () if _float_tensor(t) and _key(t) not in self.inside]
+        outside = [t for t in inputs or () if _float_tensor(t) and not self.made(t)]
         if outside and self.paused:  # (the re-run: its own tape watches all)
             self._refuse_watched(op_type, outside)
         for t in outputs or ():
@@ -166,9 +212,48 @@ class _Refusals:
                 self.inside.add(_key(t))
         return None
 
+    def made(self, t: Any) -> bool:
+        """``t`` was given to the step or made by it."""
+        return _key(t) in self.inside or (isinstance(t, ops.EagerTensor) and t._id >= self.first_id)
+
+    def refuse_hidden_state(self, found: str) -> None:
+        raise RecomputeError(
+            f"{self.name} ran the stateful op {found}, whose state no variable holds (a random op, "
+            "a candidate sampler, the next element of an iterator made before the step): its re-run "
+            "in the backward pass would draw other values, a silently different gradient. Draw from "
+            "a tf.random.Generator, a Keras SeedGenerator, or a stateless op "
+            "(tf.random.stateless_uniform) whose seed is a variable or an argument; pass the batch "
+            "as an argument (checkpointed(step)(next(it)))."
+        )
+
+    def scan(self, graph: Any, start: int) -> None:
+        """The ops the step added to ``graph`` (from the ``start``-th): the
+        same refusal as eagerly (a call of a function traced before reaches no
+        op callback)."""
+        made = graph.get_operations()[start:]
+        inside = {id(op) for op in made}
+        for op in made:
+            found = _hidden_state_in(op.type, list(op.node_def.attr.values()), set())
+            source = op.inputs[0].op if op.type in _ITERATOR_NEXT else None
+            # (an iterator from outside: a capture, whose placeholder may be new)
+            if found is None and source is not None and (source.type == "Placeholder" or id(source) not in inside):
+                found = op.type
+            if found is not None:
+                self.refuse_hidden_state(f"{found} ({op.name})")
+            # (a call of a function, which no graph op callback sees, takes
+            # what the function captures as inputs: the closes-over refusal)
+            outside = [t for t in op.inputs if _float_tensor(t) and id(t.op) not in inside and not self.made(t)]
+            if outside and self.paused:
+                self._refuse_watched(op.type, outside)
+
     def _refuse_watched(self, op_type: str, tensors: List[Any]) -> None:
         """Refuses a tensor from outside the step that a paused tape watches
         (asked with them back in TensorFlow's tape set, for that moment)."""
+        # (A tf.function's call runs with the tape set stopped: its captures,
+        # inputs of the call op, are asked with it restarted for that moment.)
+        stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+        if stopped:
+            pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
         for r in self.paused:
             r.resume()
         try:
@@ -176,6 +261,8 @@ class _Refusals:
         finally:
             for r in reversed(self.paused):
                 r.pause()
+            if stopped:
+                pywrap_tfe.TFE_Py_TapeSetStopOnThread()
         if watched:
             raise RecomputeError(
                 f"{self.name}: its op {op_type} takes a tensor that the tape differentiates and the "
@@ -225,6 +312,9 @@ class _Segment:
         self.inputs = inputs  # the floating-point variables touched
         self.written = written  # the floating-point variables written
         self.float_out = float_out  # indices, in nest.flatten(result), of float tensors
+        # Of the first run: a fingerprint of each written variable's value at
+        # its end, then of each float tensor returned (``_fingerprints``).
+        self.prints: List[Any] = []
 
     def backward(self, *upstream: Any) -> List[Any]:
         """The gradients for the recorded op's inputs (the versions of
@@ -283,6 +373,7 @@ class _Segment:
                 "variables and its arguments."
             )
         flat = nest.flatten(result)
+        check = self._check_same(flat)
         targets: List[Any] = []
         grads_out: List[Any] = []
         ends = list(self.written) + [flat[i] for i in self.float_out]
@@ -297,7 +388,73 @@ class _Segment:
         if not targets:
             return [None] * len(sources)
         grads: List[Any] = tape.gradient(targets, sources, output_gradients=grads_out)
-        return grads
+        if check is None:
+            return grads
+        with ops.control_dependencies(check):  # the gradients fail where the re-run differs
+            return [None if g is None else _identity(g) for g in grads]
+
+    def _check_same(self, flat: List[Any]) -> Optional[List[Any]]:
+        """The re-run's ends compared with the first run's (fingerprints): a
+        stateful op whose state no variable holds (not refused up front: an
+        iterator, a py_function drawing random numbers, ...) makes them
+        differ. Eagerly a ``RecomputeError``; in a graph, assertions for the
+        gradients to depend on (None eagerly)."""
+        names = [f"the variable {v.name!r}" for v in self.written]
+        names += [f"its returned tensor {i} (of nest.flatten)" for i in self.float_out]
+        again = _fingerprints(self.written, [flat[i] for i in self.float_out])
+        checks: List[Any] = []
+        dtypes_ = [v.dtype for v in self.written] + [flat[i].dtype for i in self.float_out]
+        for what, dtype, first, second in zip(names, dtypes_, self.prints, again):
+            message = (
+                f"{self.name}: its re-run in the backward pass computed another value of {what} "
+                "than its first run: the step depends on a state no variable holds (a stateful "
+                "op: a random op, an iterator, a py_function, a Python side effect), so the "
+                "gradient would be another computation's. Draw randomness from a "
+                "tf.random.Generator or a seed variable, pass data as arguments."
+            )
+            with record.stop_recording():
+                tol = _rtol(dtype) * tf.stack([first[1], first[1], first[2]]) + _TINY
+                same = tf.reduce_all(tf.abs(first - second) <= tol) | tf.reduce_any(tf.math.is_nan(first))
+                if tf.executing_eagerly():
+                    if not bool(same):
+                        raise RecomputeError(message)
+                else:
+                    checks.append(tf.debugging.Assert(same, [message]))
+        return checks if checks else None
+
+
+_TINY = 1e-30
+
+
+def _fingerprints(variables: List[Any], tensors: List[Any]) -> List[Any]:
+    """Per value (each variable's now, then each tensor), float64 [sum,
+    sum of absolute values, sum of squares]: O(1) memory, the same for the
+    same bits."""
+    found: List[Any] = []
+    with record.stop_recording():
+        for x in [_read(v) for v in variables] + list(tensors):
+            if x.dtype.is_complex:
+                x = tf.concat([tf.reshape(tf.math.real(x), [-1]), tf.reshape(tf.math.imag(x), [-1])], 0)
+            x = tf.cast(x, tf.float64)
+            found.append(tf.stack([tf.reduce_sum(x), tf.reduce_sum(tf.abs(x)), tf.reduce_sum(x * x)]))
+    return found
+
+
+def _rtol(dtype: Any) -> float:
+    """The same ops on the same device give the same bits; a little room (a
+    few rounding steps of ``dtype``'s, relative to the sum of absolute values)
+    for a graph's optimizer rewriting one run and not the other."""
+    return 3e-2 if dtype.real_dtype.size <= 2 else 1e-6
+
+
+def _identity(g: Any) -> Any:
+    with record.stop_recording():
+        return tf.identity(g)
+
+
+def _body_kind(graph: Any) -> str:
+    kind = type(graph).__name__
+    return "tf.cond branch" if "Cond" in kind else "loop body" if "While" in kind else f"graph {graph.name!r}"
 
 
 def _accumulating(recorder: Any) -> bool:
@@ -344,6 +501,15 @@ def _segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns: b
                 f"{name} was called while a plain tf.GradientTape records around it: that tape would "
                 "see none of the step. Make every recording tape around it an AssignAwareTape."
             )
+        graph = None if scope.key is None else ops.get_default_graph()
+        if graph is not None and graph is not scope.key:
+            raise RecomputeError(
+                f"{name} was called inside a {_body_kind(graph)} of the tape's tf.function: its "
+                "recorded op and re-run would be in that body, which TensorFlow differentiates on "
+                "its own. Call the wrapper outside tf.cond / tf.while_loop (a Python if or loop), "
+                "or the step without it there."
+            )
+        start = len(graph.get_operations()) if graph is not None else ops.uid()
         scope.owners = log
         op_callbacks.add_op_callback(refusals.callback)
         try:
@@ -351,6 +517,8 @@ def _segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns: b
                 result = run(*args)
             if log.error is not None:
                 raise log.error
+            if graph is not None:
+                refusals.scan(graph, start)
         except BaseException:
             # Refused (or failed) part way: the variables and the tapes as
             # before the step, as a refused write leaves them.
@@ -380,12 +548,20 @@ def _segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns: b
         if after.get(uid) is not entry.get(uid):
             written.append(var)
     flat = nest.flatten(result)
-    float_out = [i for i, t in enumerate(flat) if _float_tensor(t)] if returns else []
+    # A returned tensor that existed before the step (an argument, one it
+    # closes over) is itself, with its own gradient path: not the op's output.
+    made = {id(op) for op in graph.get_operations()[start:]} if graph is not None else set()
+    float_out = [
+        i
+        for i, t in enumerate(flat)
+        if returns and _float_tensor(t) and (t._id >= start if graph is None else id(t.op) in made)
+    ]
     tensors = [a for a in args if _float_tensor(a)]
     segment = _Segment(name, run, args, log.touched, inputs, written, float_out)
+    segment.prints = _fingerprints(written, [flat[i] for i in float_out])
     # Watched as the step's reads would have them watched (the versions at
     # its start), before the new versions are made current.
-    for var in inputs:
+    for var, _ in log.touched.values():  # (all, as the reads would: watched_variables lists them)
         _writes.watch(scope, var)
     ends = [_versions.new_version(after[var._unique_id], None) for var in written]
     outputs = [*ends, *(flat[i] for i in float_out)]

@@ -9,9 +9,12 @@ are ``test_checkpointed``'s.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import tensorflow as tf
 from oracle import assert_grads_close, modes
+
+from assigntape import AssignAwareTape, unroll
 from test_checkpointed import XV, YV, X, Y, _compare, _initial, _meta
 
 
@@ -64,3 +67,45 @@ def test_sgd_unroll_equals_the_assignment_free_rewrite():
         val = tf.reduce_mean((forward(ws, xv) - yv) ** 2) + 0.1 * loss
     expected = (val, tape.gradient(val, [lr, *ws0]))
     assert_grads_close(actual, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_watched_variables_lists_every_variable_the_steps_touch():
+    def listed(wrap):
+        a, b, cnt = tf.Variable(1.0, name="a"), tf.Variable(2.0, name="b"), tf.Variable(0, name="cnt")
+
+        def step():
+            cnt.assign_add(1)
+            b.assign(b * a)
+
+        with AssignAwareTape() as tape:
+            wrap(step)
+            _ = b * 1.0
+        return [v.name for v in tape.watched_variables()]
+
+    def loop(step):
+        for _ in range(2):
+            step()
+
+    assert listed(lambda step: unroll(step, 2)) == listed(loop)
+
+
+def test_jacobian_without_pfor_through_a_segment_equals_the_loop():
+    # (pfor cannot vectorize the re-run's writes; TensorFlow's error says to
+    # pass experimental_use_pfor=False, which works.)
+    def jac(wrap):
+        w, lr = tf.Variable([1.0, 2.0], dtype=tf.float64), tf.Variable(0.1, dtype=tf.float64)
+
+        def step():
+            w.assign_sub(lr * w**2)
+
+        with AssignAwareTape(persistent=True) as tape:
+            wrap(step)
+            y = w * 1.0
+        return tape.jacobian(y, w, experimental_use_pfor=False)
+
+    def loop(step):
+        for _ in range(3):
+            step()
+
+    expected = jac(loop)
+    np.testing.assert_allclose(jac(lambda step: unroll(step, 3, checkpoint_every=2)), expected, rtol=1e-12)
