@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from oracle import assert_grads_close, modes
+from test_checkpointed import XV, YV, X, Y, _compare, _initial, _meta
 
 from assigntape import AssignAwareTape, unroll
-from test_checkpointed import XV, YV, X, Y, _compare, _initial, _meta
 
 
 @modes
