@@ -14,6 +14,7 @@ instead, inline, as if undecorated, so that the tape follows its writes
 
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -419,8 +420,35 @@ def vectorized(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
     names.append("tf.vectorized_map (parallel_for.pfor)")
     try:
         return wrapped(*args, **kwargs)
+    except ValueError as error:
+        refusal = _unvectorized_write(error)
+        if refusal is None:
+            raise
+        raise refusal from error
     finally:
         names.pop()
+
+
+# The write op pfor failed to convert, as its error names the op's node
+# (``loop_body/AssignVariableOp/pfor/strided_slice``).
+_PFOR_NODE = re.compile(r"/(\w+)/pfor/")
+
+
+def _unvectorized_write(error: ValueError) -> Optional[ControlFlowWriteError]:
+    """pfor's error on a write in a tape's graph, named. A body that reads a
+    variable after writing it reads the write's new version, a handle the
+    loop makes, which pfor cannot vectorize (plain TensorFlow reads the
+    variable's own handle there): the error names neither the write nor what
+    to do instead."""
+    match = _PFOR_NODE.search(str(error))
+    if match is None or match.group(1) not in _rules.RULES or not _registry.any_scopes():
+        return None
+    return ControlFlowWriteError(
+        f"tf.vectorized_map could not vectorize the {match.group(1)} of a variable in its function, "
+        "inside an AssignAwareTape's tf.function: a function that reads a variable after writing it "
+        "cannot be vectorized there. Use tf.map_fn (which the tape differentiates), or write the "
+        "variable outside the vectorized function."
+    )
 
 
 # A write that runs out of the tape's sight: the handle written (as the
