@@ -443,12 +443,13 @@ def _unvectorized_write(error: ValueError) -> Optional[ControlFlowWriteError]:
     match = _PFOR_NODE.search(str(error))
     if match is None or match.group(1) not in _rules.RULES or not _registry.any_scopes():
         return None
-    return ControlFlowWriteError(
+    refusal: ControlFlowWriteError = ControlFlowWriteError(
         f"tf.vectorized_map could not vectorize the {match.group(1)} of a variable in its function, "
         "inside an AssignAwareTape's tf.function: a function that reads a variable after writing it "
         "cannot be vectorized there. Use tf.map_fn (which the tape differentiates), or write the "
         "variable outside the vectorized function."
     )
+    return refusal
 
 
 # A write that runs out of the tape's sight: the handle written (as the
