@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import tensorflow as tf
 
-from assigntape import _registry, _versions, _writes
+from assigntape import _registry, _resuming, _versions, _writes
 from assigntape._errors import RecomputeError
 from assigntape._record import WriteRecord
 from assigntape._tape import AssignAwareTape
@@ -534,8 +534,16 @@ def _segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns: b
         for r in reversed(paused):
             r.resume()
     after = dict(scope.current)
-    entry = before[1]
     _forget_inner_versions(scope, before, paused, lengths)
+    for var, _ in log.touched.values():
+        own = _versions.canonical_handle(var)
+        if id(own) in scope.dirty:
+            # Written while a tape here was closed, or a tape here entered
+            # again, and not read since: the step's first read of it resolves
+            # that (rule 6), here as if made just before the step, so that the
+            # segment starts from the version a read there would give.
+            _resuming.cut_on_first_read(scope, var, own)
+    entry = dict(scope.current)
     inputs: List[Any] = []
     starts: List[Any] = []
     written: List[Any] = []
