@@ -685,43 +685,37 @@ def test_tf_gradients_after_the_tape_of_a_value_read_after_it_is_right() -> None
     np.testing.assert_allclose(got.numpy(), 2 * X0 * (V0 * X0))
 
 
+def _write_then_read_mapped(mapper: Callable[..., Any]) -> Any:
+    """A tape's function mapping a body that writes v, then reads it:
+    returns (y, dy/dx)."""
+    v, x = tf.Variable([1.0, 1.0, 1.0]), tf.Variable(2.0)
+
+    def body(e: Any) -> Any:
+        v.assign(v * x * e)
+        return tf.reduce_sum(v) * 2.0
+
+    @tf.function
+    def step() -> Any:
+        with AssignAwareTape() as tape:
+            y = tf.reduce_sum(mapper(body, tf.constant([1.0])))
+            y = y + tf.reduce_sum(v)
+        return y, tape.gradient(y, x)
+
+    return step
+
+
 def test_vectorized_map_reading_a_variable_after_writing_it_in_the_tapes_function_is_refused() -> None:
     """pfor's fallback loop cannot vectorize a read of the version a write in
     its function made (plain TensorFlow reads the variable's own handle
     there): a ``ControlFlowWriteError`` naming the write and ``tf.map_fn``,
     not pfor's ``ValueError`` naming neither. (Without the fallback, pfor
     refuses the write itself, as in plain TensorFlow.)"""
-    v, x = tf.Variable([1.0, 1.0, 1.0]), tf.Variable(2.0)
-
-    def body(e: Any) -> Any:
-        v.assign(v * x * e)
-        return tf.reduce_sum(v) * 2.0
-
-    @tf.function
-    def step() -> Any:
-        with AssignAwareTape() as tape:
-            y = tf.reduce_sum(tf.vectorized_map(body, tf.constant([1.0])))
-        return tape.gradient(y, x)
-
     with pytest.raises(ControlFlowWriteError, match=r"(?s)vectorized_map.*AssignVariableOp.*tf\.map_fn"):
-        step()
+        _write_then_read_mapped(tf.vectorized_map)()
 
 
 def test_map_fn_reading_a_variable_after_writing_it_in_the_tapes_function_is_right() -> None:
     """The workaround the refusal names: y = 2 sum(v0 x e) + sum(v0 x e) with
     v0 = 1, e = 1 is 9 x, so dy/dx = 9 (by hand)."""
-    v, x = tf.Variable([1.0, 1.0, 1.0]), tf.Variable(2.0)
-
-    def body(e: Any) -> Any:
-        v.assign(v * x * e)
-        return tf.reduce_sum(v) * 2.0
-
-    @tf.function
-    def step() -> Any:
-        with AssignAwareTape() as tape:
-            y = tf.reduce_sum(tf.map_fn(body, tf.constant([1.0])))
-            y = y + tf.reduce_sum(v)
-        return y, tape.gradient(y, x)
-
-    y, grad = step()
+    y, grad = _write_then_read_mapped(tf.map_fn)()
     assert float(y) == 18.0 and float(grad) == 9.0
