@@ -646,6 +646,22 @@ def _pulled(placeholder: Any, graph: Any) -> bool:
     )
 
 
+def _not_an_iterator(handle: Any) -> bool:
+    """Whether ``handle`` is known not to be an iterator's resource without
+    searching the heap (``gc.get_referrers`` walks every object: in a large
+    process, seconds per function): a variable's handle, which carries its
+    value's dtype as handle data (an iterator's carries none)."""
+    if _versions.variable_of_handle(handle) is not None:
+        return True
+    data = getattr(handle, "_handle_data", None)
+    return bool(
+        data is not None
+        and data.is_set
+        and data.shape_and_type
+        and all(s.dtype != dtypes.variant.as_datatype_enum for s in data.shape_and_type)
+    )
+
+
 def _iterator_of(handle: Any) -> Any:
     """The ``OwnedIterator`` whose resource ``handle`` is, if one lives."""
     if not isinstance(handle, ops.EagerTensor):
@@ -653,6 +669,8 @@ def _iterator_of(handle: Any) -> Any:
     found = _made.get(id(handle))
     if found is not None and getattr(found, "_iterator_resource", None) is handle:
         return found
+    if _not_an_iterator(handle):
+        return None
     # Made before import: its object refers to the resource (directly, or
     # through its ``__dict__``). Searched once per function (cached above).
     referrers = gc.get_referrers(handle)
