@@ -504,6 +504,19 @@ def variables_written(scope: Any, writes: List[Write]) -> List[Tuple[Any, str]]:
     return list(found.values())
 
 
+def _recorders_around(scope: Any) -> Tuple[str, str]:
+    """What is open around a call in ``scope``, for a refusal's message: the
+    phrase, and the noun its advice names ("tape" or "accumulator")."""
+    if any(record.keeps_history for record in scope.records):
+        return "an AssignAwareTape is open", "tape"
+    if scope.records:
+        # Only ``assigntape.ForwardAccumulator``s: their internal tapes keep no history.
+        return "an assigntape.ForwardAccumulator is open", "accumulator"
+    # Held by a plain tape or accumulator only (the AssignAwareTape inside it
+    # closed; see _plain_tapes).
+    return "a plain tf.GradientTape or ForwardAccumulator that recorded an AssignAwareTape's writes is open", "tape"
+
+
 def refuse_writes(scope: Any, writes: List[Tuple[Any, str]], context: str, eager_fixes: str, graph_fixes: str) -> None:
     """Before ``context`` runs writes the tape cannot follow: refused (or,
     eagerly and by option, let through, to be ``cut_writes`` after)."""
@@ -513,19 +526,16 @@ def refuse_writes(scope: Any, writes: List[Tuple[Any, str]], context: str, eager
                 f"{op_type} to variable {var.name!r} inside {context}, run in the function where "
                 f"an AssignAwareTape is open: a version made in {context}'s graph cannot leave it. " + graph_fixes
             )
-        # Held by a plain tape or accumulator only (the AssignAwareTape inside it
-        # closed; see _plain_tapes): say which.
-        around = (
-            "an AssignAwareTape is open"
-            if scope.records
-            else ("a plain tf.GradientTape or ForwardAccumulator that recorded an AssignAwareTape's writes is open")
-        )
+        around, recorder = _recorders_around(scope)
+        if recorder != "tape":
+            # The advice names the recorder that is open, not a tape that is not.
+            eager_fixes = eager_fixes.replace("the tape", f"the {recorder}")
         _refusals.refuse_or_cut(
             [scope],
             var,
             context,
             f"{context} writes variable {var.name!r} ({op_type}) while {around} around it, and "
-            "such writes happen out of the tape's sight: reads after it would credit "
+            f"such writes happen out of the {recorder}'s sight: reads after it would credit "
             f"the previous version, a silently wrong gradient. " + eager_fixes,
         )
 

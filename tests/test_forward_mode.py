@@ -808,3 +808,27 @@ def test_forward_hypergradient_through_keras_sgd_under_xla(options):
     else:
         with pytest.raises(assigntape.ControlFlowWriteError, match="jit_compile"):
             run(True)
+
+
+def test_a_writing_function_under_our_accumulator_alone_is_refused_naming_the_accumulator() -> None:
+    # An eager assigntape.ForwardAccumulator (no AssignAwareTape open) around a
+    # tf.function that opens its own tape and writes: refused, and the message
+    # names the accumulator and advises about it, not about a tape that is not open.
+    w = tf.Variable([1.0, 2.0])
+    lr = tf.Variable(0.1)
+
+    @tf.function
+    def step() -> Any:
+        with AssignAwareTape() as tape:
+            w.assign_sub(lr * 2.0 * w * w)
+            y = tf.reduce_sum(w**2)
+        return y, tape.gradient(y, lr)
+
+    with pytest.raises(assigntape.UntrackedWriteError) as raised:
+        with assigntape.ForwardAccumulator(lr, tf.constant(1.0)):
+            step()
+    message = str(raised.value)
+    assert "assigntape.ForwardAccumulator is open around it" in message
+    assert "Open the accumulator inside the function" in message
+    assert "AssignAwareTape is open" not in message
+    np.testing.assert_allclose(w.numpy(), [1.0, 2.0])  # the refused call wrote nothing
