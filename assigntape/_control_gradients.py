@@ -349,6 +349,43 @@ def loop_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
         ) from error
 
 
+def made_from(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``control_flow_util_v2.get_func_graph(op, input_shapes, func_name)``,
+    which the gradient of a cond, case or loop (``cond_v2.get_func_graphs``,
+    ``while_v2._get_graph``) calls for a branch or body graph the op does not
+    keep: the very graph the function was made from, while it still is that
+    function, instead of a new copy of it.
+
+    The op keeps its graphs (``_true_graph``, ``_branch_graph_i``,
+    ``_body_graph``) only once it is made, but an accumulator recording builds
+    its gradient (the jvp's) as it is made: that gradient got a copy, and when
+    the branch's intermediates had to become outputs it extended the copy,
+    renamed it ``..._rewritten``, registered it and gave the op its outputs.
+    The graph the op then keeps is the original, unchanged: a later gradient
+    (``tape.gradient``, ``tf.gradients``, ``jacobian``) saw fewer outputs than
+    the op has (tf.gradients: a bare AssertionError), and its own rewrite
+    registered a second ``..._rewritten`` function with other contents
+    (TensorFlow's "Attempting to add a duplicate function"; plain TensorFlow
+    fails the same way). Given the original, the jvp's rewrite is made on the
+    graph the op keeps, and every later gradient builds on it."""
+    op, _, name = bind(_params(wrapped), args, kwargs).values()
+    graph = op.graph
+    while graph is not None:
+        function = graph._get_function(name)
+        if function is not None:
+            break
+        graph = getattr(graph, "outer_graph", None)
+    else:
+        return wrapped(*args, **kwargs)
+    # (An AtomicFunction keeps the FuncGraph it was made from; a function
+    # imported or loaded has none.) Still that function: not renamed by a
+    # rewrite since, and made in the op's graph, not copied from another.
+    original = getattr(function, "_cached_graph", None)
+    if original is None or original.name != name or getattr(original, "outer_graph", None) is not op.graph:
+        return wrapped(*args, **kwargs)
+    return original
+
+
 _pending: List[List[Any]] = []
 
 # How many loops that carry written variables this thread is building (``_carrying``).
