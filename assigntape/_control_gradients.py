@@ -14,9 +14,9 @@ import contextlib
 import functools
 import threading
 import weakref
-from typing import Any, Callable, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
-from assigntape import _record, _registry
+from assigntape import _graph_gradients, _record, _registry
 from assigntape._errors import ControlFlowWriteError
 from assigntape._tf import (
     context,
@@ -383,7 +383,60 @@ def made_from(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any
     original = getattr(function, "_cached_graph", None)
     if original is None or original.name != name or getattr(original, "outer_graph", None) is not op.graph:
         return wrapped(*args, **kwargs)
+    if any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now()):
+        _outputs_recorded.setdefault(op, len(op.outputs))
     return original
+
+
+# Per cond, case or loop an accumulator differentiated as it was made
+# (``made_from``): how many outputs it had then, which got tangents, and
+# which the tapes recording it then recorded. A gradient built later makes
+# the op output more (its intermediates), which have neither.
+_outputs_recorded: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def refuse_lacking(tensors: Any, asked: str) -> None:
+    """``asked`` (``"jvp"``: ``ForwardAccumulator.jvp``; else a tape's
+    gradient) of ``tensors`` in a graph: refused if they are computed from an
+    output that a cond, case or loop made under an accumulator got after the
+    recorders recorded it (``_outputs_recorded``).
+
+    Only a gradient of the op reads those outputs. Forward over reverse (the
+    jvp of a reverse gradient through the op: a Hessian-vector product) would
+    miss their tangents, reverse over forward (a tape's gradient of a jvp,
+    whose own gradient of the op reads them) their cotangents: silently wrong
+    or None (plain TensorFlow fails). What is computed from the op's first
+    outputs is right: its jvp, and a reverse gradient through it."""
+    if not _outputs_recorded:
+        return
+    by_graph: Dict[Any, List[Any]] = {}
+    for t in nest.flatten(tensors):
+        if hasattr(t, "op") and hasattr(t, "graph"):
+            by_graph.setdefault(t.graph, []).append(t)
+    for graph, flat in by_graph.items():
+        added = {
+            id(t) for op, count in list(_outputs_recorded.items()) if op.graph is graph for t in op.outputs[count:]
+        }
+        if not added or not _graph_gradients._reaches(flat, added):
+            continue
+        if asked == "jvp":
+            what = (
+                "ForwardAccumulator.jvp of a value computed from a reverse gradient through a compiled "
+                "tf.cond, case or graph loop that the accumulator differentiated (forward over reverse, "
+                "as for a Hessian-vector product): TensorFlow's forward mode has no tangent for the "
+                "intermediates that gradient reads, so the jvp would miss their part."
+            )
+        else:
+            what = (
+                "A tape's gradient of a value computed from a ForwardAccumulator's tangents through a "
+                "compiled tf.cond, case or graph loop (reverse over forward): TensorFlow's forward mode "
+                "made the op output intermediates after the tape recorded it, so the gradient would "
+                "miss their part."
+            )
+        raise ControlFlowWriteError(
+            f"{what} Branch or loop in Python (unrolled while tracing, it is right), run the function "
+            "eagerly, or take the first derivative and the second in separate calls."
+        )
 
 
 _pending: List[List[Any]] = []

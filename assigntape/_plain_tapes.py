@@ -32,6 +32,7 @@ from assigntape import (
     _branch_writes,
     _branches,
     _control_flow,
+    _control_gradients,
     _forks,
     _leases,
     _recorders,
@@ -378,10 +379,14 @@ def accumulator_jvp(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     end = getattr(instance, _END, None)
     params = ("primals", "unconnected_gradients")
     if end is None or getattr(instance, "_recording", False) or not binds(params, 1, args, kwargs):
-        return wrapped(*args, **kwargs)
-    arguments = bind(params, args, kwargs)
-    arguments["primals"] = nest.map_structure(lambda p: _map(p, end, False), arguments["primals"])
-    return wrapped(**arguments)
+        result = wrapped(*args, **kwargs)
+    else:
+        arguments = bind(params, args, kwargs)
+        arguments["primals"] = nest.map_structure(lambda p: _map(p, end, False), arguments["primals"])
+        result = wrapped(**arguments)
+    if not executing_eagerly():
+        _control_gradients.refuse_lacking(args[0] if args else kwargs.get("primals"), "jvp")
+    return result
 
 
 def _opened(instance: Any) -> None:
@@ -631,6 +636,7 @@ def _asks_tensorflow(instance: Any, args: Any, kwargs: Any) -> bool:
 
 def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``GradientTape.gradient`` of a plain tape: variables named as above."""
+    _control_gradients.refuse_lacking(args[0] if args else kwargs.get("target"), "gradient")
     if _asks_tensorflow(instance, args, kwargs) or not binds(_GRADIENT_PARAMS, 2, args, kwargs):
         grads = wrapped(*args, **kwargs)
     else:
