@@ -26,6 +26,7 @@ from assigntape._branch_writes import (
     written_again,
 )
 from assigntape._control_gradients import (
+    _FORWARD_MODE_FAILURES,
     _carrying_now,
     _control_op,
     _note_recorders,
@@ -33,6 +34,7 @@ from assigntape._control_gradients import (
     _pending,
     _writing_bodies,
     refuse_forward_through_wrapper,
+    refusing_forward_mode_failures,
 )
 from assigntape._errors import ControlFlowWriteError
 from assigntape._tf import (
@@ -125,7 +127,10 @@ def build_cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
     arguments = bind(_params(wrapped), args, kwargs)
     graphs = {id(arguments["true_graph"]), id(arguments["false_graph"])}
     branches = next((b for b in _pending if {id(x.graph) for x in b} == graphs), None)
-    if branches is None or arguments.get("building_gradient"):
+    if arguments.get("building_gradient"):
+        with refusing_forward_mode_failures("tf.gradients (or a tape's jacobian)"):
+            return wrapped(*args, **kwargs)
+    if branches is None:
         return wrapped(*args, **kwargs)
     written = {uid: var for b in branches for uid, (var, _) in b.values.items()}
     for branch in branches:
@@ -264,9 +269,6 @@ _TRACE_FIRST = (
     "; with the accumulator outside the tf.function, call the function once before "
     "opening it (traced outside the accumulator, it is differentiated right)"
 )
-# What TensorFlow's forward mode raises, while tracing, through a graph loop
-# that writes a variable (README, Known limits).
-_FORWARD_MODE_FAILURES = ("without handle data", "<dtype: 'variant'> is not compatible")
 
 
 def _accumulator_recording() -> bool:

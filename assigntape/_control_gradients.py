@@ -439,6 +439,39 @@ def refuse_lacking(tensors: Any, asked: str) -> None:
         )
 
 
+# What TensorFlow's forward mode raises, while tracing, through a graph loop
+# that writes a variable, or through the gradient of a cond (the optionals
+# that hold a branch's intermediates: it makes ones like them, for any dtype)
+# or through the ops pfor makes of one (attributes that name functions)
+# (README, Known limits).
+_FORWARD_MODE_FAILURES = (
+    "without handle data",
+    "<dtype: 'variant'> is not compatible",
+    "Could not generate a generic TraceType",
+)
+
+
+@contextlib.contextmanager
+def refusing_forward_mode_failures(what: str) -> Iterator[None]:
+    """A reverse gradient built by ``what`` while an accumulator records,
+    which differentiates the gradient's ops too: where TensorFlow's forward
+    mode fails on them (plain TensorFlow too), a ``ControlFlowWriteError``
+    saying what to do instead."""
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        found = [text for text in _FORWARD_MODE_FAILURES if text in str(error)]
+        if not found or not any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now()):
+            raise
+        raise ControlFlowWriteError(
+            f"A reverse gradient by {what} through a compiled tf.cond or case while a "
+            "ForwardAccumulator records: the accumulator differentiates that gradient too, and "
+            f"TensorFlow's forward mode fails on it ({type(error).__name__}: ...{found[0]}...; plain "
+            "TensorFlow too), nothing ran. Take the gradient with the tape's gradient() inside the "
+            "accumulator (right), or the jvp and this gradient in separate calls, or branch in Python."
+        ) from error
+
+
 _pending: List[List[Any]] = []
 
 # How many loops that carry written variables this thread is building (``_carrying``).
