@@ -435,7 +435,7 @@ def refuse_lacking(tensors: Any, asked: str) -> None:
             )
         raise ControlFlowWriteError(
             f"{what} Branch or loop in Python (unrolled while tracing, it is right), run the function "
-            "eagerly, or take the first derivative and the second in separate calls."
+            "eagerly, or take the second derivative in reverse mode (a tape around the gradient's tape)."
         )
 
 
