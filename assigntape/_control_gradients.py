@@ -14,7 +14,7 @@ import contextlib
 import functools
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Set, Tuple
 
 from assigntape import _graph_gradients, _record, _registry
 from assigntape._errors import ControlFlowWriteError
@@ -303,6 +303,7 @@ def branch_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     func_graph, grads = bind(_params(wrapped), args, kwargs).values()
     outputs = func_graph.outputs
     _note_gradient(func_graph)
+    _note_later_gradient(getattr(func_graph, "_forward_cond", None))
     if len(outputs) < len(grads) and any(
         isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now()
     ):
@@ -333,6 +334,7 @@ def loop_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     recorded ops reading them: such a tape of ours refuses, ``complete_record``.)"""
     body = bind(_params(wrapped), args, kwargs)["body_graph"]
     _note_gradient(body)
+    _note_later_gradient(getattr(body, "_while", None))
     try:
         return wrapped(*args, **kwargs)
     except ValueError as error:
@@ -394,6 +396,27 @@ def made_from(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any
 # the op output more (its intermediates), which have neither.
 _outputs_recorded: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
+# Per such op whose gradient was built again later (a tape's, tf.gradients):
+# the ids of the ops that read those outputs before, the jvp's own gradient
+# (which computes the op's tangents, from the outputs it made for itself).
+_read_by_the_jvp: "weakref.WeakKeyDictionary[Any, Set[int]]" = weakref.WeakKeyDictionary()
+
+# The attribute TensorFlow keeps a branch or body graph in once the op is made.
+_KEPT = {"If": "_true_graph", "StatelessIf": "_true_graph", "While": "_body_graph", "StatelessWhile": "_body_graph"}
+
+
+def _note_later_gradient(op: Any) -> None:
+    """A gradient of ``op`` (a cond, case or loop) is being built: one built
+    after the op was made (it keeps its graphs), of an op an accumulator
+    differentiated as it was made, notes which ops read its added outputs
+    until now (``_read_by_the_jvp``)."""
+    count = _outputs_recorded.get(op) if op is not None else None
+    if count is None or op in _read_by_the_jvp:
+        return
+    if getattr(op, _KEPT.get(op.type, "_branch_graph_0"), None) is None:
+        return  # the accumulator's own, as the op is made
+    _read_by_the_jvp[op] = {id(c) for t in op.outputs[count:] for c in t.consumers()}
+
 
 def refuse_lacking(tensors: Any, asked: str) -> None:
     """``asked`` (``"jvp"``: ``ForwardAccumulator.jvp``; else a tape's
@@ -414,9 +437,22 @@ def refuse_lacking(tensors: Any, asked: str) -> None:
         if hasattr(t, "op") and hasattr(t, "graph"):
             by_graph.setdefault(t.graph, []).append(t)
     for graph, flat in by_graph.items():
-        added = {
-            id(t) for op, count in list(_outputs_recorded.items()) if op.graph is graph for t in op.outputs[count:]
-        }
+        if asked == "jvp":
+            # What the readers a later gradient made compute: the jvp's own
+            # gradient reads them too, for tangents that are complete.
+            added = {
+                id(out)
+                for op, before in list(_read_by_the_jvp.items())
+                if op.graph is graph
+                for t in op.outputs[_outputs_recorded[op] :]
+                for reader in t.consumers()
+                if id(reader) not in before
+                for out in reader.outputs
+            }
+        else:
+            added = {
+                id(t) for op, count in list(_outputs_recorded.items()) if op.graph is graph for t in op.outputs[count:]
+            }
         if not added or not _graph_gradients._reaches(flat, added):
             continue
         if asked == "jvp":
