@@ -55,6 +55,8 @@ def _program(flow: str, kind: str, v: Any, x: Any, functional: bool) -> Any:
         else:
             _write(kind, v, x, False)
         now = state["v"] if functional else v
+        if kind == "read":  # a cond that only reads: x enters in the branch
+            now = now * x
         return tf.reduce_sum(now * now)
 
     def zero() -> Any:
