@@ -27,6 +27,7 @@ from assigntape._branch_writes import (
 )
 from assigntape._control_gradients import (
     _FORWARD_MODE_FAILURES,
+    REVERSE_INSTEAD,
     _carrying_now,
     _control_op,
     _note_recorders,
@@ -116,7 +117,11 @@ def indexed_case(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
         return branch_fn
 
     arguments["branch_fns"] = [traced(fn) for fn in arguments["branch_fns"]]
-    out = wrapped(**arguments)
+    with refusing_forward_mode_failures(
+        "Forward mode through a compiled tf.switch_case",
+        "Use tf.cond or tf.case (conds), branch in Python, or take the gradient in reverse mode.",
+    ):
+        out = wrapped(**arguments)
     _note_recorders(out, graphs)
     return out
 
@@ -128,7 +133,10 @@ def build_cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
     graphs = {id(arguments["true_graph"]), id(arguments["false_graph"])}
     branches = next((b for b in _pending if {id(x.graph) for x in b} == graphs), None)
     if arguments.get("building_gradient"):
-        with refusing_forward_mode_failures("tf.gradients (or a tape's jacobian)"):
+        with refusing_forward_mode_failures(
+            "A reverse gradient by tf.gradients (or a tape's jacobian) through a compiled tf.cond or case",
+            REVERSE_INSTEAD,
+        ):
             return wrapped(*args, **kwargs)
     if branches is None:
         return wrapped(*args, **kwargs)

@@ -488,11 +488,11 @@ _FORWARD_MODE_FAILURES = (
 
 
 @contextlib.contextmanager
-def refusing_forward_mode_failures(what: str) -> Iterator[None]:
-    """A reverse gradient built by ``what`` while an accumulator records,
-    which differentiates the gradient's ops too: where TensorFlow's forward
-    mode fails on them (plain TensorFlow too), a ``ControlFlowWriteError``
-    saying what to do instead."""
+def refusing_forward_mode_failures(what: str, remedy: str) -> Iterator[None]:
+    """``what`` (building an op, or a reverse gradient whose ops the
+    accumulator differentiates too) while an accumulator records: where
+    TensorFlow's forward mode fails on it (plain TensorFlow too), a
+    ``ControlFlowWriteError`` saying what to do instead (``remedy``)."""
     try:
         yield
     except (TypeError, ValueError) as error:
@@ -500,12 +500,16 @@ def refusing_forward_mode_failures(what: str) -> Iterator[None]:
         if not found or not any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now()):
             raise
         raise ControlFlowWriteError(
-            f"A reverse gradient by {what} through a compiled tf.cond or case while a "
-            "ForwardAccumulator records: the accumulator differentiates that gradient too, and "
-            f"TensorFlow's forward mode fails on it ({type(error).__name__}: ...{found[0]}...; plain "
-            "TensorFlow too), nothing ran. Take the gradient with the tape's gradient() inside the "
-            "accumulator (right), or the jvp and this gradient in separate calls, or branch in Python."
+            f"{what} while a ForwardAccumulator records: TensorFlow's forward mode fails on it "
+            f"({type(error).__name__}: ...{found[0]}...; plain TensorFlow too), nothing ran. {remedy}"
         ) from error
+
+
+# What to do instead of a reverse gradient that TensorFlow's forward mode fails on.
+REVERSE_INSTEAD = (
+    "Take the gradient with the tape's gradient() inside the accumulator (right), or the jvp and this "
+    "gradient in separate calls, or branch in Python."
+)
 
 
 _pending: List[List[Any]] = []

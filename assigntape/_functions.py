@@ -429,7 +429,10 @@ def vectorized(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
     names = _makers.__dict__.setdefault("names", [])
     names.append("tf.vectorized_map (parallel_for.pfor)")
     try:
-        with _control_gradients.refusing_forward_mode_failures("a tape's jacobian (or tf.vectorized_map)"):
+        with _control_gradients.refusing_forward_mode_failures(
+            "A tape's jacobian (or tf.vectorized_map) through a compiled tf.cond or case",
+            _control_gradients.REVERSE_INSTEAD,
+        ):
             return wrapped(*args, **kwargs)
     except ValueError as error:
         refusal = _unvectorized_write(error)

@@ -221,3 +221,11 @@ def test_persistent_tape_and_xla_stay_refused(accumulator: Any) -> None:
     _refused(lambda: _run("cond", "assign", "tape.gradient", accumulator, persistent=True))
     with pytest.raises(ControlFlowWriteError, match="jit_compile"):
         _run("cond", "assign", "tape.gradient", accumulator, jit=True)
+
+
+@pytest.mark.parametrize("accumulator", ACCUMULATORS)
+def test_forward_mode_through_a_switch_case_that_reads_is_refused(accumulator: Any) -> None:
+    # TensorFlow's forward mode fails on the Case op itself (its branches, an
+    # attribute naming functions, cannot key the traced jvp): a TypeError.
+    with pytest.raises(ControlFlowWriteError, match="tf.switch_case"):
+        _run("switch_case", "read", "tape.gradient", accumulator)
