@@ -26,7 +26,6 @@ from assigntape._branch_writes import (
     written_again,
 )
 from assigntape._control_gradients import (
-    _FORWARD_MODE_FAILURES,
     REVERSE_INSTEAD,
     _carrying_now,
     _control_op,
@@ -34,6 +33,7 @@ from assigntape._control_gradients import (
     _params,
     _pending,
     _writing_bodies,
+    forward_mode_failures,
     refuse_forward_through_wrapper,
     refusing_forward_mode_failures,
 )
@@ -334,7 +334,7 @@ def _refuse_forward_mode_failure(error: Exception, written: List[Any], what: str
     beside a reverse tape, in the gradient of the loop or cond, as in plain
     TensorFlow). Nothing has run. Raised as a ``ControlFlowWriteError`` that
     says what to do instead."""
-    found = [text for text in _FORWARD_MODE_FAILURES if text in str(error)] or _failed_assertion(error)
+    found = forward_mode_failures(error) or _failed_assertion(error)
     if not found:
         return
     if not _accumulator_recording():

@@ -60,11 +60,16 @@ def possible_gradient_types(wrapped: Callable[..., Any], instance: Any, args: An
     # wrapped op fails to build), nor under XLA for a cond or loop that writes
     # a variable (the wrapped op then fails to build). There the op stays
     # bare, and the tape completes its record of it (``complete_record``).
-    if any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now()):
+    if _accumulating():
         return kind
     if _building_writes() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
         return kind
     return gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER
+
+
+def _accumulating() -> bool:
+    """Whether a forward accumulator (TensorFlow's or ours) records in this thread."""
+    return any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now())
 
 
 def _building_writes() -> bool:
@@ -140,7 +145,7 @@ def refuse_forward_through_wrapper(tensors: Any, written: List[Any], what: str) 
     silently wrong jvp). Refused while tracing when no output of the call got
     a tangent, nothing run. (With one non-persistent tape TensorFlow records
     the op bare, and its forward mode through it is right.)"""
-    if not written or not any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now()):
+    if not written or not _accumulating():
         return
     call = _wrapper_call(tensors)
     if call is None or not pywrap_tfe.TFE_Py_PackJVPs(list(call.inputs))[1]:
@@ -385,7 +390,7 @@ def made_from(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any
     original = getattr(function, "_cached_graph", None)
     if original is None or original.name != name or getattr(original, "outer_graph", None) is not op.graph:
         return wrapped(*args, **kwargs)
-    if any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now()):
+    if _accumulating():
         _outputs_recorded.setdefault(op, len(op.outputs))
     return original
 
@@ -487,6 +492,12 @@ _FORWARD_MODE_FAILURES = (
 )
 
 
+def forward_mode_failures(error: BaseException) -> List[str]:
+    """The texts by which ``error`` is one of TensorFlow's own forward-mode
+    failures (``_FORWARD_MODE_FAILURES``), if it is one."""
+    return [text for text in _FORWARD_MODE_FAILURES if text in str(error)]
+
+
 @contextlib.contextmanager
 def refusing_forward_mode_failures(what: str, remedy: str) -> Iterator[None]:
     """``what`` (building an op, or a reverse gradient whose ops the
@@ -496,8 +507,8 @@ def refusing_forward_mode_failures(what: str, remedy: str) -> Iterator[None]:
     try:
         yield
     except (TypeError, ValueError) as error:
-        found = [text for text in _FORWARD_MODE_FAILURES if text in str(error)]
-        if not found or not any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now()):
+        found = forward_mode_failures(error)
+        if not found or not _accumulating():
             raise
         raise ControlFlowWriteError(
             f"{what} while a ForwardAccumulator records: TensorFlow's forward mode fails on it "

@@ -376,17 +376,14 @@ def accumulator_jvp(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     if not executing_eagerly():
         primals = args[0] if args else kwargs.get("primals")
         _control_flow.refuse_jvp_in_body(primals, instance.__dict__.get(_MADE_IN))
+        _control_gradients.refuse_lacking(primals, "jvp")
     end = getattr(instance, _END, None)
     params = ("primals", "unconnected_gradients")
     if end is None or getattr(instance, "_recording", False) or not binds(params, 1, args, kwargs):
-        result = wrapped(*args, **kwargs)
-    else:
-        arguments = bind(params, args, kwargs)
-        arguments["primals"] = nest.map_structure(lambda p: _map(p, end, False), arguments["primals"])
-        result = wrapped(**arguments)
-    if not executing_eagerly():
-        _control_gradients.refuse_lacking(args[0] if args else kwargs.get("primals"), "jvp")
-    return result
+        return wrapped(*args, **kwargs)
+    arguments = bind(params, args, kwargs)
+    arguments["primals"] = nest.map_structure(lambda p: _map(p, end, False), arguments["primals"])
+    return wrapped(**arguments)
 
 
 def _opened(instance: Any) -> None:
