@@ -26,13 +26,16 @@ from assigntape._branch_writes import (
     written_again,
 )
 from assigntape._control_gradients import (
+    REVERSE_INSTEAD,
     _carrying_now,
     _control_op,
     _note_recorders,
     _params,
     _pending,
     _writing_bodies,
+    forward_mode_failures,
     refuse_forward_through_wrapper,
+    refusing_forward_mode_failures,
 )
 from assigntape._errors import ControlFlowWriteError
 from assigntape._tf import (
@@ -114,7 +117,11 @@ def indexed_case(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
         return branch_fn
 
     arguments["branch_fns"] = [traced(fn) for fn in arguments["branch_fns"]]
-    out = wrapped(**arguments)
+    with refusing_forward_mode_failures(
+        "Forward mode through a compiled tf.switch_case",
+        "Use tf.cond or tf.case (conds), branch in Python, or take the gradient in reverse mode.",
+    ):
+        out = wrapped(**arguments)
     _note_recorders(out, graphs)
     return out
 
@@ -125,7 +132,13 @@ def build_cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
     arguments = bind(_params(wrapped), args, kwargs)
     graphs = {id(arguments["true_graph"]), id(arguments["false_graph"])}
     branches = next((b for b in _pending if {id(x.graph) for x in b} == graphs), None)
-    if branches is None or arguments.get("building_gradient"):
+    if arguments.get("building_gradient"):
+        with refusing_forward_mode_failures(
+            "A reverse gradient by tf.gradients (or a tape's jacobian) through a compiled tf.cond or case",
+            REVERSE_INSTEAD,
+        ):
+            return wrapped(*args, **kwargs)
+    if branches is None:
         return wrapped(*args, **kwargs)
     written = {uid: var for b in branches for uid, (var, _) in b.values.items()}
     for branch in branches:
@@ -264,9 +277,6 @@ _TRACE_FIRST = (
     "; with the accumulator outside the tf.function, call the function once before "
     "opening it (traced outside the accumulator, it is differentiated right)"
 )
-# What TensorFlow's forward mode raises, while tracing, through a graph loop
-# that writes a variable (README, Known limits).
-_FORWARD_MODE_FAILURES = ("without handle data", "<dtype: 'variant'> is not compatible")
 
 
 def _accumulator_recording() -> bool:
@@ -324,7 +334,7 @@ def _refuse_forward_mode_failure(error: Exception, written: List[Any], what: str
     beside a reverse tape, in the gradient of the loop or cond, as in plain
     TensorFlow). Nothing has run. Raised as a ``ControlFlowWriteError`` that
     says what to do instead."""
-    found = [text for text in _FORWARD_MODE_FAILURES if text in str(error)] or _failed_assertion(error)
+    found = forward_mode_failures(error) or _failed_assertion(error)
     if not found:
         return
     if not _accumulator_recording():

@@ -14,9 +14,9 @@ import contextlib
 import functools
 import threading
 import weakref
-from typing import Any, Callable, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Set, Tuple
 
-from assigntape import _record, _registry
+from assigntape import _graph_gradients, _record, _registry
 from assigntape._errors import ControlFlowWriteError
 from assigntape._tf import (
     context,
@@ -60,11 +60,16 @@ def possible_gradient_types(wrapped: Callable[..., Any], instance: Any, args: An
     # wrapped op fails to build), nor under XLA for a cond or loop that writes
     # a variable (the wrapped op then fails to build). There the op stays
     # bare, and the tape completes its record of it (``complete_record``).
-    if any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now()):
+    if _accumulating():
         return kind
     if _building_writes() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
         return kind
     return gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER
+
+
+def _accumulating() -> bool:
+    """Whether a forward accumulator (TensorFlow's or ours) records in this thread."""
+    return any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now())
 
 
 def _building_writes() -> bool:
@@ -140,7 +145,7 @@ def refuse_forward_through_wrapper(tensors: Any, written: List[Any], what: str) 
     silently wrong jvp). Refused while tracing when no output of the call got
     a tangent, nothing run. (With one non-persistent tape TensorFlow records
     the op bare, and its forward mode through it is right.)"""
-    if not written or not any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now()):
+    if not written or not _accumulating():
         return
     call = _wrapper_call(tensors)
     if call is None or not pywrap_tfe.TFE_Py_PackJVPs(list(call.inputs))[1]:
@@ -303,6 +308,7 @@ def branch_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     func_graph, grads = bind(_params(wrapped), args, kwargs).values()
     outputs = func_graph.outputs
     _note_gradient(func_graph)
+    _note_later_gradient(getattr(func_graph, "_forward_cond", None))
     if len(outputs) < len(grads) and any(
         isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now()
     ):
@@ -333,6 +339,7 @@ def loop_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     recorded ops reading them: such a tape of ours refuses, ``complete_record``.)"""
     body = bind(_params(wrapped), args, kwargs)["body_graph"]
     _note_gradient(body)
+    _note_later_gradient(getattr(body, "_while", None))
     try:
         return wrapped(*args, **kwargs)
     except ValueError as error:
@@ -347,6 +354,173 @@ def loop_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
             "inside a loop body that writes a variable. Take that inner gradient with a tape "
             "opened inside the loop body instead of tf.gradients."
         ) from error
+
+
+def made_from(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``control_flow_util_v2.get_func_graph(op, input_shapes, func_name)``,
+    which the gradient of a cond, case or loop (``cond_v2.get_func_graphs``,
+    ``while_v2._get_graph``) calls for a branch or body graph the op does not
+    keep: the very graph the function was made from, while it still is that
+    function, instead of a new copy of it.
+
+    The op keeps its graphs (``_true_graph``, ``_branch_graph_i``,
+    ``_body_graph``) only once it is made, but an accumulator recording builds
+    its gradient (the jvp's) as it is made: that gradient got a copy, and when
+    the branch's intermediates had to become outputs it extended the copy,
+    renamed it ``..._rewritten``, registered it and gave the op its outputs.
+    The graph the op then keeps is the original, unchanged: a later gradient
+    (``tape.gradient``, ``tf.gradients``, ``jacobian``) saw fewer outputs than
+    the op has (tf.gradients: a bare AssertionError), and its own rewrite
+    registered a second ``..._rewritten`` function with other contents
+    (TensorFlow's "Attempting to add a duplicate function"; plain TensorFlow
+    fails the same way). Given the original, the jvp's rewrite is made on the
+    graph the op keeps, and every later gradient builds on it."""
+    op, _, name = bind(_params(wrapped), args, kwargs).values()
+    graph = op.graph
+    while graph is not None:
+        function = graph._get_function(name)
+        if function is not None:
+            break
+        graph = getattr(graph, "outer_graph", None)
+    else:
+        return wrapped(*args, **kwargs)
+    # (An AtomicFunction keeps the FuncGraph it was made from; a function
+    # imported or loaded has none.) Still that function: not renamed by a
+    # rewrite since, and made in the op's graph, not copied from another.
+    original = getattr(function, "_cached_graph", None)
+    if original is None or original.name != name or getattr(original, "outer_graph", None) is not op.graph:
+        return wrapped(*args, **kwargs)
+    if _accumulating():
+        _outputs_recorded.setdefault(op, len(op.outputs))
+    return original
+
+
+# Per cond, case or loop an accumulator differentiated as it was made
+# (``made_from``): how many outputs it had then, which got tangents, and
+# which the tapes recording it then recorded. A gradient built later makes
+# the op output more (its intermediates), which have neither.
+_outputs_recorded: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+# Per such op whose gradient was built again later (a tape's, tf.gradients):
+# the ids of the ops that read those outputs before, the jvp's own gradient
+# (which computes the op's tangents, from the outputs it made for itself).
+_read_by_the_jvp: "weakref.WeakKeyDictionary[Any, Set[int]]" = weakref.WeakKeyDictionary()
+
+# The attribute TensorFlow keeps a branch or body graph in once the op is made.
+_KEPT = {"If": "_true_graph", "StatelessIf": "_true_graph", "While": "_body_graph", "StatelessWhile": "_body_graph"}
+
+
+def _note_later_gradient(op: Any) -> None:
+    """A gradient of ``op`` (a cond, case or loop) is being built: one built
+    after the op was made (it keeps its graphs), of an op an accumulator
+    differentiated as it was made, notes which ops read its added outputs
+    until now (``_read_by_the_jvp``)."""
+    count = _outputs_recorded.get(op) if op is not None else None
+    if count is None or op in _read_by_the_jvp:
+        return
+    if getattr(op, _KEPT.get(op.type, "_branch_graph_0"), None) is None:
+        return  # the accumulator's own, as the op is made
+    _read_by_the_jvp[op] = {id(c) for t in op.outputs[count:] for c in t.consumers()}
+
+
+def refuse_lacking(tensors: Any, asked: str) -> None:
+    """``asked`` (``"jvp"``: ``ForwardAccumulator.jvp``; else a tape's
+    gradient) of ``tensors`` in a graph: refused if they are computed from an
+    output that a cond, case or loop made under an accumulator got after the
+    recorders recorded it (``_outputs_recorded``).
+
+    Only a gradient of the op reads those outputs. Forward over reverse (the
+    jvp of a reverse gradient through the op: a Hessian-vector product) would
+    miss their tangents, reverse over forward (a tape's gradient of a jvp,
+    whose own gradient of the op reads them) their cotangents: silently wrong
+    or None (plain TensorFlow fails). What is computed from the op's first
+    outputs is right: its jvp, and a reverse gradient through it."""
+    if not _outputs_recorded:
+        return
+    by_graph: Dict[Any, List[Any]] = {}
+    for t in nest.flatten(tensors):
+        if hasattr(t, "op") and hasattr(t, "graph"):
+            by_graph.setdefault(t.graph, []).append(t)
+    for graph, flat in by_graph.items():
+        if asked == "jvp":
+            # What the readers a later gradient made compute: the jvp's own
+            # gradient reads them too, for tangents that are complete.
+            added = {
+                id(out)
+                for op, before in list(_read_by_the_jvp.items())
+                if op.graph is graph
+                for t in op.outputs[_outputs_recorded[op] :]
+                for reader in t.consumers()
+                if id(reader) not in before
+                for out in reader.outputs
+            }
+        else:
+            added = {
+                id(t) for op, count in list(_outputs_recorded.items()) if op.graph is graph for t in op.outputs[count:]
+            }
+        if not added or not _graph_gradients._reaches(flat, added):
+            continue
+        if asked == "jvp":
+            what = (
+                "ForwardAccumulator.jvp of a value computed from a reverse gradient through a compiled "
+                "tf.cond, case or graph loop that the accumulator differentiated (forward over reverse, "
+                "as for a Hessian-vector product): TensorFlow's forward mode has no tangent for the "
+                "intermediates that gradient reads, so the jvp would miss their part."
+            )
+        else:
+            what = (
+                "A tape's gradient of a value computed from a ForwardAccumulator's tangents through a "
+                "compiled tf.cond, case or graph loop (reverse over forward): TensorFlow's forward mode "
+                "made the op output intermediates after the tape recorded it, so the gradient would "
+                "miss their part."
+            )
+        raise ControlFlowWriteError(
+            f"{what} Branch or loop in Python (unrolled while tracing, it is right), run the function "
+            "eagerly, or take the second derivative in reverse mode (a tape around the gradient's tape)."
+        )
+
+
+# What TensorFlow's forward mode raises, while tracing, through a graph loop
+# that writes a variable, or through the gradient of a cond (the optionals
+# that hold a branch's intermediates: it makes ones like them, for any dtype)
+# or through the ops pfor makes of one (attributes that name functions)
+# (README, Known limits).
+_FORWARD_MODE_FAILURES = (
+    "without handle data",
+    "<dtype: 'variant'> is not compatible",
+    "Could not generate a generic TraceType",
+)
+
+
+def forward_mode_failures(error: BaseException) -> List[str]:
+    """The texts by which ``error`` is one of TensorFlow's own forward-mode
+    failures (``_FORWARD_MODE_FAILURES``), if it is one."""
+    return [text for text in _FORWARD_MODE_FAILURES if text in str(error)]
+
+
+@contextlib.contextmanager
+def refusing_forward_mode_failures(what: str, remedy: str) -> Iterator[None]:
+    """``what`` (building an op, or a reverse gradient whose ops the
+    accumulator differentiates too) while an accumulator records: where
+    TensorFlow's forward mode fails on it (plain TensorFlow too), a
+    ``ControlFlowWriteError`` saying what to do instead (``remedy``)."""
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        found = forward_mode_failures(error)
+        if not found or not _accumulating():
+            raise
+        raise ControlFlowWriteError(
+            f"{what} while a ForwardAccumulator records: TensorFlow's forward mode fails on it "
+            f"({type(error).__name__}: ...{found[0]}...; plain TensorFlow too), nothing ran. {remedy}"
+        ) from error
+
+
+# What to do instead of a reverse gradient that TensorFlow's forward mode fails on.
+REVERSE_INSTEAD = (
+    "Take the gradient with the tape's gradient() inside the accumulator (right), or the jvp and this "
+    "gradient in separate calls, or branch in Python."
+)
 
 
 _pending: List[List[Any]] = []

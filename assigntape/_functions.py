@@ -19,7 +19,17 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from assigntape import _branches, _dataset_graphs, _refusals, _registry, _resuming, _rules, _threads, _versions
+from assigntape import (
+    _branches,
+    _control_gradients,
+    _dataset_graphs,
+    _refusals,
+    _registry,
+    _resuming,
+    _rules,
+    _threads,
+    _versions,
+)
 from assigntape._errors import ControlFlowWriteError
 from assigntape._tf import (
     Function,
@@ -419,7 +429,11 @@ def vectorized(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
     names = _makers.__dict__.setdefault("names", [])
     names.append("tf.vectorized_map (parallel_for.pfor)")
     try:
-        return wrapped(*args, **kwargs)
+        with _control_gradients.refusing_forward_mode_failures(
+            "A tape's jacobian (or tf.vectorized_map) through a compiled tf.cond or case",
+            _control_gradients.REVERSE_INSTEAD,
+        ):
+            return wrapped(*args, **kwargs)
     except ValueError as error:
         refusal = _unvectorized_write(error)
         if refusal is None:

@@ -60,6 +60,7 @@ from assigntape._tf import (
     UnliftedInitializerVariable,
     array_ops,
     cond_v2,
+    control_flow_util_v2,
     dataset_ops,
     distribute_lib,
     distribute_values,
@@ -321,6 +322,10 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # A cond's or loop's gradient after tf.gradients went through it.
         (cond_v2, "_grad_fn", _control_gradients.branch_gradient),
         (while_v2, "_create_grad_func", _control_gradients.loop_gradient),
+        # The branch or body graphs of a cond, case or loop whose gradient is
+        # built (by forward mode) as the op is made, before TensorFlow keeps
+        # them on the op; TensorFlow calls it through the module attribute.
+        (control_flow_util_v2, "get_func_graph", _control_gradients.made_from),
         # Which gradient functions a cond, case, loop or function call in a
         # graph prepares; TensorFlow calls it through the module attribute.
         (gradients_util, "PossibleTapeGradientTypes", _control_gradients.possible_gradient_types),

@@ -32,6 +32,7 @@ from assigntape import (
     _branch_writes,
     _branches,
     _control_flow,
+    _control_gradients,
     _forks,
     _leases,
     _recorders,
@@ -375,6 +376,7 @@ def accumulator_jvp(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     if not executing_eagerly():
         primals = args[0] if args else kwargs.get("primals")
         _control_flow.refuse_jvp_in_body(primals, instance.__dict__.get(_MADE_IN))
+        _control_gradients.refuse_lacking(primals, "jvp")
     end = getattr(instance, _END, None)
     params = ("primals", "unconnected_gradients")
     if end is None or getattr(instance, "_recording", False) or not binds(params, 1, args, kwargs):
@@ -631,6 +633,7 @@ def _asks_tensorflow(instance: Any, args: Any, kwargs: Any) -> bool:
 
 def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``GradientTape.gradient`` of a plain tape: variables named as above."""
+    _control_gradients.refuse_lacking(args[0] if args else kwargs.get("target"), "gradient")
     if _asks_tensorflow(instance, args, kwargs) or not binds(_GRADIENT_PARAMS, 2, args, kwargs):
         grads = wrapped(*args, **kwargs)
     else:

@@ -440,6 +440,7 @@ class AssignAwareTape(tf.GradientTape):
         # from here, and while a closed tape is followed every patched
         # function does its work, in the backward pass too.
         done = not self._persistent
+        _control_gradients.refuse_lacking(target, "gradient")
         if done:
             self._end_lease()
         _control_gradients.differentiating(1)

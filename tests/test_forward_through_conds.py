@@ -170,24 +170,3 @@ def test_keras_cond_steps_under_persistent_tape(kind: str) -> None:
 def test_keras_ema_overwrite_stays_right(persistent: bool) -> None:
     got = _keras_program("ema", persistent, True)
     np.testing.assert_allclose(float(got), _finite_difference("ema"), rtol=1e-5)
-
-
-@pytest.mark.parametrize("accumulator", ACCUMULATORS)
-def test_tf_gradients_through_writing_cond_under_accumulator_is_refused_clearly(accumulator: Any) -> None:
-    # Was TensorFlow's bare AssertionError in cond_v2._grad_fn.
-    v = tf.Variable(V0, dtype=tf.float64)
-    x = tf.Variable(X0, dtype=tf.float64)
-
-    def branch() -> Any:
-        v.assign(v * x)
-        return tf.reduce_sum(v * v) + tf.reduce_sum(tf.sin(v) * x)
-
-    @tf.function
-    def f() -> Any:
-        with accumulator(x, tf.constant(TAN, tf.float64)):
-            with AssignAwareTape():
-                y = tf.cond(x[0] > 0, branch, lambda: tf.constant(0.0, tf.float64))
-                return tf.gradients(y, x)[0]
-
-    with pytest.raises(ControlFlowWriteError, match="cond_true"):
-        f()
