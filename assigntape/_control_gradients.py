@@ -390,10 +390,20 @@ def made_from(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any
     original = getattr(function, "_cached_graph", None)
     if original is None or original.name != name or getattr(original, "outer_graph", None) is not op.graph:
         return wrapped(*args, **kwargs)
+    # Only for an op first differentiated while a tape of ours is open (then
+    # every later gradient of it too): outside every tape, TensorFlow's own
+    # behaviour, its failures included (e.g. XLA's on a jvp through a cond).
+    if op not in _made_from_original:
+        if not _registry.any_scopes():
+            return wrapped(*args, **kwargs)
+        _made_from_original[op] = True
     if _accumulating():
         _outputs_recorded.setdefault(op, len(op.outputs))
     return original
 
+
+# The cond, case and loop ops whose gradients ``made_from`` gave their own graphs.
+_made_from_original: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 # Per cond, case or loop an accumulator differentiated as it was made
 # (``made_from``): how many outputs it had then, which got tangents, and
