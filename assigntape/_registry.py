@@ -156,7 +156,7 @@ def _idle_locked() -> None:
     if _switched and not _all_scopes and not _leases.closed_refs:
         if _leases.plain:
             # A plain tape that ran beside one of ours keeps versions: its
-            # gradient must still map them (``_plain_tapes.gradient``).
+            # gradient must still map them (``_plain_gradients.gradient``).
             # Asked again once it may be gone.
             _active_at = time.monotonic()
             return

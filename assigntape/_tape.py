@@ -14,6 +14,7 @@ from assigntape import (
     _forks,
     _graph_gradients,
     _patches,
+    _plain_gradients,
     _plain_tapes,
     _py_functions,
     _record,
@@ -434,7 +435,7 @@ class AssignAwareTape(tf.GradientTape):
             target, given, unconnected_gradients, finish = self._mapped_question(target, sources, unconnected_gradients)
         # TensorFlow's gradient (or a mixin's, next in the MRO) is called from
         # this very frame, past the plain tapes' follower
-        # (``_plain_tapes.tensorflows_gradient``): every frame between the
+        # (``_plain_gradients.tensorflows_gradient``): every frame between the
         # caller and TensorFlow costs each op of the backward pass.
         # A non-persistent tape is done once asked: writes need no following
         # from here, and while a closed tape is followed every patched
@@ -444,7 +445,7 @@ class AssignAwareTape(tf.GradientTape):
             self._end_lease()
         _control_gradients.differentiating(1)
         try:
-            grads = _plain_tapes.tensorflows_gradient(type(self), AssignAwareTape)(
+            grads = _plain_gradients.tensorflows_gradient(type(self), AssignAwareTape)(
                 self, target, given, output_gradients, unconnected_gradients
             )
         except BaseException:
