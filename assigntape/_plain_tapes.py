@@ -460,10 +460,10 @@ def refuse_recorders_outside_body(scope: Any, var: Any, op_name: str) -> None:
             )
 
 
-def note_closing() -> List[Any]:
+def note_closing() -> List[Record]:
     """An ``AssignAwareTape`` is about to close: the plain tapes still open
     in its graph keep the versions current now as their latest. Returns the
-    plain tapes and forward accumulators open around it, in its graph or
+    records of the plain tapes and forward accumulators open around it, in its graph or
     around the compiled body it is in: they recorded its writes, so the
     versions must live on for them (and a later write in the body, which
     they could not follow out of it, is refused: see above)."""
@@ -481,12 +481,13 @@ def note_closing() -> List[Any]:
         if instance is None:
             continue
         if opened_in is key:
-            if not _recorders.is_accumulator(instance):
+            held = _recorders.holding(instance)
+            if not held.forward:
                 setattr(instance, _LATEST, snapshot)
                 lease(instance)
-            holders.append(instance)
+            holders.append(held)
         elif any(opened_in is g for g in around):
-            holders.append(instance)
+            holders.append(_recorders.holding(instance))
     return holders
 
 

@@ -240,10 +240,7 @@ class AssignAwareTape(tf.GradientTape):
             # since it was entered again stay writes with no gradient path
             # for it when it is entered once more (the scope forgets its
             # note of them when its last tape closes).
-            record.unseen_at_exit = set(_resuming.unseen_writes(record, ids=True))
-            for own, closed_at_write in scope.dirty.values():
-                if record in closed_at_write:
-                    record.written_while_closed[id(own)] = own
+            _resuming.note_closed_writes(scope, record)
             _graph_gradients.note_closed(scope, record)
             holders = _plain_tapes.note_closing()
             _versions.close_scope(scope, record, holders)
