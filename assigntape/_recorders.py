@@ -23,6 +23,10 @@ store's, asked with the record: "go on from my versions" (``_resuming.go_on_from
 lazily, at each variable's first read) and "my current version of v"
 (``_resuming.latest_version``). Entering and exiting are each recorder's own
 methods (``_tape``, ``_forward``; TensorFlow's, followed by ``_plain_tapes``).
+While a plain tape or accumulator is open, one record stands for it
+(``holding``): the scopes it holds keep it, and ``recording_now`` gives it, so
+that no caller tests a recorder's class: its kind is the record's (``ours``,
+``forward``).
 """
 
 from __future__ import annotations
