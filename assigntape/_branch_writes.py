@@ -30,7 +30,7 @@ import contextlib
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from assigntape import _branches, _fused, _record, _registry, _rules, _versions
+from assigntape import _branches, _fused, _record, _recorders, _rules, _versions
 from assigntape._errors import ControlFlowWriteError, SavedModelError
 from assigntape._tf import (
     array_ops,
@@ -356,7 +356,7 @@ def _stopped_for_symbolic(branch: Any, var: Any, op_name: str) -> bool:
     the other's answer, a silently wrong gradient: refused. (A recorder
     opened in the write's own body sees it directly, recorded with the write;
     one that recorded no enclosing cond or loop does not see it at all.)"""
-    states = {_registry.records(r) for entered in _entered_stack() for r in entered}
+    states = {_recorders.records(r) for entered in _entered_stack() for r in entered}
     if len(states) > 1:
         raise ControlFlowWriteError(
             f"{op_name} to variable {var.name!r} in a compiled tf.cond branch or loop body, "
@@ -371,7 +371,7 @@ def _stopped_for_symbolic(branch: Any, var: Any, op_name: str) -> bool:
 
 def _entered_stack() -> List[List[Any]]:
     """Per cond or loop being traced in this thread, outermost first: the
-    recorders (``_registry.recording_now``) recording as it was entered,
+    recorders (``_recorders.recording_now``) recording as it was entered,
     which record its op."""
     found = getattr(_entered, "stack", None)
     if found is None:
@@ -385,7 +385,7 @@ _entered = threading.local()
 @contextlib.contextmanager
 def _entering() -> Iterator[None]:
     stack = _entered_stack()
-    stack.append(_registry.recording_now())
+    stack.append(_recorders.recording_now())
     try:
         yield
     finally:

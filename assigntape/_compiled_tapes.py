@@ -17,12 +17,14 @@ The other way round: a function that writes, called in another thread before
 such a call, may write while it runs; its call checked the holds when it
 started. So, while any graph is noted, a call of a function that writes
 notes its variables for the call (``_writing``), and a call that holds one of
-them meanwhile is refused before it runs.
+them meanwhile is refused before it runs. A function found to write nothing
+is remembered (``_writes_nothing``): its later calls cost a set lookup.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable, Dict, List, Tuple
 
 from assigntape import _registry
@@ -67,7 +69,7 @@ def leased(call: Hook, writes_of: Callable[[Any, List[Any]], List[Any]]) -> Hook
     def hook(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         held = _registry.tape_graphs.get(instance._func_graph)
         if held is None:
-            if not _registry.tape_graphs or not executing_eagerly():
+            if not _registry.tape_graphs or instance in _writes_nothing or not executing_eagerly():
                 return call(wrapped, instance, args, kwargs)
             return _writing(call, writes_of, wrapped, instance, args, kwargs)
         if not executing_eagerly():
@@ -91,6 +93,15 @@ def leased(call: Hook, writes_of: Callable[[Any, List[Any]], List[Any]]) -> Hook
     return hook
 
 
+# The functions whose graphs write nothing, for any inputs (``writes_of``
+# gave none: it lists each written input of the graph and the writes the graph
+# runs without showing them, and a called function's graph is built, no longer
+# traced). Their calls skip ``_writing`` (binding the arguments and a lookup
+# per written handle), which every eager call of every function paid while
+# any tape's graph is noted. Weak: a function that goes takes its entry along.
+_writes_nothing: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
 # The calls running now of functions that write variables (while some graph
 # is noted): a key of each call's own -> (its thread, the differentiable
 # variables it writes, ``_unique_id`` -> name, the function's name).
@@ -108,8 +119,12 @@ def _writing(
     """``call``, noted in ``_running`` for the call if the function writes."""
     arguments = bind(("tensor_inputs", "captured_inputs"), args, kwargs)
     handles = list(arguments["tensor_inputs"]) + list(arguments["captured_inputs"])
+    writes = writes_of(instance, handles)
+    if not writes:
+        _never_writes(instance)
+        return call(wrapped, instance, args, kwargs)
     written: Dict[str, str] = {}
-    for handle, _, _ in writes_of(instance, handles):
+    for handle, _, _ in writes:
         var = variable_of_handle(handle)
         if var is not None and differentiable(var):
             written[var._unique_id] = var.name
@@ -121,6 +136,13 @@ def _writing(
         return call(wrapped, instance, args, kwargs)
     finally:
         _running.pop(key, None)
+
+
+def _never_writes(function: Any) -> None:
+    try:
+        _writes_nothing.add(function)
+    except TypeError:
+        pass  # not weakly referable: asked again at each call
 
 
 def forget_other_threads() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Dict, List
 
-from assigntape import _branches, _graph_gradients, _recorders, _registry, _versions
+from assigntape import _branches, _graph_gradients, _recorders, _versions
 from assigntape._branch_writes import (
     _branch_version,
     _entering,
@@ -281,7 +281,7 @@ _TRACE_FIRST = (
 
 def _accumulator_recording() -> bool:
     """Whether a forward accumulator (TensorFlow's or ours) records in this thread."""
-    return any(_recorders.is_accumulator(r) for r in _registry.recording_now())
+    return any(r.forward for r in _recorders.recording_now())
 
 
 def _refuse_xla_forward_mode(op: Any, branches: List[Any]) -> None:

@@ -16,13 +16,12 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Set, Tuple
 
-from assigntape import _graph_gradients, _record, _registry
+from assigntape import _graph_gradients, _recorders, _registry
 from assigntape._errors import ControlFlowWriteError
 from assigntape._tf import (
     context,
     control_flow_util,
     default_gradient,
-    forwardprop,
     gradients_util,
     nest,
     ops,
@@ -60,6 +59,7 @@ def possible_gradient_types(wrapped: Callable[..., Any], instance: Any, args: An
     # wrapped op fails to build), nor under XLA for a cond or loop that writes
     # a variable (the wrapped op then fails to build). There the op stays
     # bare, and the tape completes its record of it (``complete_record``).
+    # (The recorder's kind matters here for TensorFlow's forward mode, not ours.)
     if _accumulating():
         return kind
     if _building_writes() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
@@ -69,7 +69,7 @@ def possible_gradient_types(wrapped: Callable[..., Any], instance: Any, args: An
 
 def _accumulating() -> bool:
     """Whether a forward accumulator (TensorFlow's or ours) records in this thread."""
-    return any(isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now())
+    return any(r.forward for r in _recorders.recording_now())
 
 
 def _building_writes() -> bool:
@@ -167,19 +167,12 @@ def refuse_forward_through_wrapper(tensors: Any, written: List[Any], what: str) 
 
 
 @contextlib.contextmanager
-def _paused(recorder: Any) -> Iterator[None]:
-    if isinstance(recorder, _record.Record):
-        recorder.pause()
-        try:
-            yield
-        finally:
-            recorder.resume()
-    else:
-        recorder._pop_tape()
-        try:
-            yield
-        finally:
-            recorder._push_tape()
+def _paused(recorder: _recorders.Recorder) -> Iterator[None]:
+    recorder.pause()
+    try:
+        yield
+    finally:
+        recorder.resume()
 
 
 @contextlib.contextmanager
@@ -206,8 +199,9 @@ def _note_recorders(tensors: Any, graphs: List[Any]) -> None:
     if op is None or pywrap_tfe.TFE_Py_TapeSetIsStopped():
         return
     inputs = list(op.inputs)
-    recorders = [r for r in _registry.recording_now() if not isinstance(r, forwardprop.ForwardAccumulator)]
-    ours = [r for r in recorders if isinstance(r, _record.Record) and not getattr(r.tape, "_persistent", True)]
+    # (Accumulators left out: TensorFlow's forward mode, not a tape, records the op.)
+    recorders = [r for r in _recorders.recording_now() if not r.forward]
+    ours = [r for r in recorders if r.ours and not getattr(r.tape, "_persistent", True)]
     if not ours or not pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop(inputs):
         return
     recorded = [r for r in ours if _records_alone(r, [o for o in recorders if o is not r], inputs)]
@@ -231,7 +225,7 @@ def _note_gradient(graph: Any) -> None:
     if noted is None or not record.could_possibly_record() or pywrap_tfe.TFE_Py_TapeSetIsStopped():
         return
     op_ref, count, recorded = noted
-    for found in _registry.recording_now():
+    for found in _recorders.recording_now():
         if found in recorded:
             found.suspects.setdefault(id(op_ref), (op_ref, count))
 
@@ -282,9 +276,7 @@ def _record_outputs(found: Any, op: Any, start: int, stop: int) -> None:
         return ops.get_gradient_function(op)(op, *cotangents)
 
     tape = found.tape
-    others = [
-        r for r in _registry.recording_now() if r is not found and not isinstance(r, forwardprop.ForwardAccumulator)
-    ]
+    others = [r for r in _recorders.recording_now() if r is not found and not r.forward]
     with _alone(others), contextlib.ExitStack() as stack:
         if not found.recording():  # closed: on its tape for this record only
             tape._push_tape()
@@ -309,9 +301,7 @@ def branch_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     outputs = func_graph.outputs
     _note_gradient(func_graph)
     _note_later_gradient(getattr(func_graph, "_forward_cond", None))
-    if len(outputs) < len(grads) and any(
-        isinstance(r, forwardprop.ForwardAccumulator) for r in _registry.recording_now()
-    ):
+    if len(outputs) < len(grads) and _accumulating():
         # Seen for tf.gradients through a cond whose branch writes, under a
         # tape of ours inside a recording accumulator: the accumulator's jvp
         # rewrote the cond, and TensorFlow's own assertion would fail bare.

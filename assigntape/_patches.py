@@ -44,6 +44,7 @@ from assigntape import (
     _graph_gradients,
     _jvp,
     _leases,
+    _plain_gradients,
     _plain_tapes,
     _py_functions,
     _registry,
@@ -302,17 +303,18 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         # TensorFlow calls through the module attribute): as the replica's
         # own reads, when acting for it in merge_call (_distribute).
         (eager_tape, "_variables_override", _distribute.watched_as_replica),
-        # Plain tapes beside ours name variables as ours do (_plain_tapes).
+        # Plain tapes beside ours name variables as ours do (_plain_tapes,
+        # _plain_gradients).
         (_plain_tapes.GRADIENT_TAPE, "__enter__", _plain_tapes.entered),
         (_plain_tapes.GRADIENT_TAPE, "__exit__", _plain_tapes.exited),
-        (_plain_tapes.GRADIENT_TAPE, "gradient", _plain_tapes.gradient),
-        (_plain_tapes.GRADIENT_TAPE, "jacobian", _plain_tapes.jacobian),
-        (_plain_tapes.GRADIENT_TAPE, "batch_jacobian", _plain_tapes.jacobian),
+        (_plain_tapes.GRADIENT_TAPE, "gradient", _plain_gradients.gradient),
+        (_plain_tapes.GRADIENT_TAPE, "jacobian", _plain_gradients.jacobian),
+        (_plain_tapes.GRADIENT_TAPE, "batch_jacobian", _plain_gradients.jacobian),
         (_plain_tapes.GRADIENT_TAPE, "reset", _plain_tapes.reset),
-        (_plain_tapes.GRADIENT_TAPE, "watched_variables", _plain_tapes.watched_variables),
+        (_plain_tapes.GRADIENT_TAPE, "watched_variables", _plain_gradients.watched_variables),
         (forwardprop.ForwardAccumulator, "__enter__", _plain_tapes.accumulator_enter),
         (forwardprop.ForwardAccumulator, "__exit__", _plain_tapes.accumulator_exit),
-        (forwardprop.ForwardAccumulator, "jvp", _plain_tapes.accumulator_jvp),
+        (forwardprop.ForwardAccumulator, "jvp", _plain_gradients.accumulator_jvp),
         # tf.cond and graph loops, which TensorFlow calls through the module
         # attributes (_control_flow).
         (cond_v2, "cond_v2", _control_flow.cond),
@@ -386,12 +388,12 @@ _ALWAYS_ON = (
     _serving.constructed,
     _plain_tapes.entered,
     _plain_tapes.exited,
-    _plain_tapes.jacobian,
+    _plain_gradients.jacobian,
     _plain_tapes.reset,
-    _plain_tapes.watched_variables,
+    _plain_gradients.watched_variables,
     _plain_tapes.accumulator_enter,
     _plain_tapes.accumulator_exit,
-    _plain_tapes.accumulator_jvp,
+    _plain_gradients.accumulator_jvp,
 )
 
 # Not dormant, and in place from import: a function in whose graph a tape
@@ -403,8 +405,8 @@ _LEASED = (_functions.call_function,)
 # for an instance that needs no following (``_wrapping.patch``): one Python
 # frame fewer under a plain tape's backward pass.
 _PASSES = {
-    _plain_tapes.gradient: _plain_tapes.unfollowed,
-    _plain_tapes.watched_variables: _plain_tapes.ours,
+    _plain_gradients.gradient: _plain_gradients.unfollowed,
+    _plain_gradients.watched_variables: _plain_gradients.ours,
 }
 
 # Followers whose methods are built by their module, with the common case
@@ -420,7 +422,7 @@ _METHODS = {
 # only beside a tape of ours, or while one that ran beside it keeps versions
 # (which keeps the switches on: ``_registry.idle``). Every Keras train step
 # asks one, so TensorFlow's own is in place otherwise.
-_SWITCHED = (_plain_tapes.gradient,)
+_SWITCHED = (_plain_gradients.gradient,)
 
 # Not dormant, and in place from the first tape to ``uninstall()``: a signal
 # handler set between tapes must be guarded for the next (``_signals``).

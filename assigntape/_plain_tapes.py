@@ -5,10 +5,10 @@ that is recording, plain ones included, so a plain tape can follow the chain
 of versions too. It must then name variables the way ``AssignAwareTape`` does,
 or its answer would depend on whether the other tape is still open (while it
 is, ``v.handle`` is the latest version; after, the variable's own handle):
-
-* a variable source means the version current when the plain tape was entered;
-* a variable target means the version current when it was exited (the latest
-  one while it is still open).
+a variable source means the version current when the plain tape was entered,
+a variable target the version current when it was exited (the latest one
+while it is still open). This module follows its entry and exit;
+``_plain_gradients`` answers its questions (gradient, jacobian, jvp).
 
 The plain tape keeps both snapshots on itself, and holds the patches
 (``lease``) until it is done, so that a gradient asked after the other tape
@@ -31,29 +31,17 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from assigntape import (
     _branch_writes,
     _branches,
-    _control_flow,
-    _control_gradients,
     _forks,
     _leases,
     _recorders,
     _registry,
-    _resolve,
     _resuming,
-    _serving,
     _versions,
 )
 from assigntape._errors import ControlFlowWriteError
 from assigntape._record import Record
-from assigntape._tf import (
-    ControlFlowFuncGraph,
-    UnconnectedGradients,
-    array_ops,
-    backprop,
-    executing_eagerly,
-    gen_resource_variable_ops,
-    nest,
-)
-from assigntape._wrapping import bind, binds, like
+from assigntape._tf import ControlFlowFuncGraph, backprop
+from assigntape._wrapping import like
 
 __all__ = [
     "GRADIENT_TAPE",
@@ -61,22 +49,15 @@ __all__ = [
     "accumulator_enter_method",
     "accumulator_exit",
     "accumulator_exit_method",
-    "accumulator_jvp",
     "enter_method",
     "entered",
     "exit_method",
     "exited",
-    "gradient",
-    "jacobian",
     "lease",
     "note_closing",
     "open_anywhere",
-    "ours",
     "refuse_recorders_outside_body",
     "reset",
-    "tensorflows_gradient",
-    "unfollowed",
-    "watched_variables",
 ]
 
 _START = "_assigntape_start"
@@ -369,23 +350,6 @@ def accumulator_exit_method(original: Callable[..., Any]) -> Callable[..., Any]:
     return like(__exit__, original, accumulator_exit)
 
 
-def accumulator_jvp(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``ForwardAccumulator.jvp``: a variable means its latest version while
-    the accumulator was open, also once it is closed (TensorFlow's reads the
-    variable's own handle then)."""
-    if not executing_eagerly():
-        primals = args[0] if args else kwargs.get("primals")
-        _control_flow.refuse_jvp_in_body(primals, instance.__dict__.get(_MADE_IN))
-        _control_gradients.refuse_lacking(primals, "jvp")
-    end = getattr(instance, _END, None)
-    params = ("primals", "unconnected_gradients")
-    if end is None or getattr(instance, "_recording", False) or not binds(params, 1, args, kwargs):
-        return wrapped(*args, **kwargs)
-    arguments = bind(params, args, kwargs)
-    arguments["primals"] = nest.map_structure(lambda p: _map(p, end, False), arguments["primals"])
-    return wrapped(**arguments)
-
-
 def _opened(instance: Any) -> None:
     # The graph it is open in: only an AssignAwareTape closing in the same
     # graph (or eagerly, both eager) wrote under it.
@@ -405,12 +369,6 @@ def _opened(instance: Any) -> None:
             setattr(instance, _START, {})
         if held_in is key:
             _resuming.resume_holder(instance, versions, record.written_while_closed, record)
-
-
-def _still_open(instance: Any) -> bool:
-    """Entered and not exited: recording, or paused (``stop_recording``), in
-    which case a variable target still means its latest version."""
-    return bool(getattr(instance, "_recording", False)) or any(ref() is instance for ref, _ in _open_plain())
 
 
 def _forget_open(instance: Any) -> None:
@@ -502,10 +460,10 @@ def refuse_recorders_outside_body(scope: Any, var: Any, op_name: str) -> None:
             )
 
 
-def note_closing() -> List[Any]:
+def note_closing() -> List[Record]:
     """An ``AssignAwareTape`` is about to close: the plain tapes still open
     in its graph keep the versions current now as their latest. Returns the
-    plain tapes and forward accumulators open around it, in its graph or
+    records of the plain tapes and forward accumulators open around it, in its graph or
     around the compiled body it is in: they recorded its writes, so the
     versions must live on for them (and a later write in the body, which
     they could not follow out of it, is refused: see above)."""
@@ -523,12 +481,13 @@ def note_closing() -> List[Any]:
         if instance is None:
             continue
         if opened_in is key:
-            if not _recorders.is_accumulator(instance):
+            held = _recorders.holding(instance)
+            if not held.forward:
                 setattr(instance, _LATEST, snapshot)
                 lease(instance)
-            holders.append(instance)
+            holders.append(held)
         elif any(opened_in is g for g in around):
-            holders.append(instance)
+            holders.append(_recorders.holding(instance))
     return holders
 
 
@@ -537,168 +496,3 @@ def lease(instance: Any) -> None:
     # The patches are installed: a plain tape has versions to keep only
     # beside a tape of ours.
     _leases.take_plain(instance)
-
-
-def _map(x: Any, versions: Optional[Dict[str, Any]], open_now: bool, recorder: Any = None) -> Any:
-    var = _resolve.gradient_variable(x)
-    if var is None:
-        return x
-    if open_now:
-        found = _branches.call_context()
-        if found is not None:
-            scope, branch = found
-            if branch is None and recorder is not None and var._unique_id not in scope.current:
-                # Entered again, not read since: what it goes on from.
-                return _resuming.latest_version(scope, var, recorder, _versions.canonical_handle(var))
-            return _branches.version_in(scope, branch, var)
-    handle = versions.get(var._unique_id) if versions else None
-    return _versions.canonical_handle(var) if handle is None else handle
-
-
-def _end(instance: Any) -> Optional[Dict[str, Any]]:
-    """The versions a variable target means, once no tape of ours is open."""
-    notes = instance.__dict__  # (where setattr put them: no caught AttributeError when missing)
-    end: Optional[Dict[str, Any]] = notes.get(_END)
-    return notes.get(_LATEST) if end is None else end
-
-
-def tensorflows_gradient(cls: type, after: type) -> Callable[..., Any]:
-    """The ``gradient`` that ``super(after, tape)`` finds for a tape of class
-    ``cls``, to call as a function: a subclass's own in between (a mixin's)
-    if any, else TensorFlow's own function, without the follower (``gradient``
-    below) the class attribute is, which does nothing for a tape of ours.
-
-    Calling past it saves a Python frame under the whole backward pass, and
-    that is measurable: TensorFlow keeps every eager op's Python stack (up to
-    30 frames), about 35 ns a frame an op.
-    """
-    mro = cls.__mro__
-    method: Any = None
-    for klass in mro[mro.index(after) + 1 :]:
-        method = vars(klass).get("gradient")
-        if method is not None:
-            break
-    if getattr(method, "_self_wrapper", None) is gradient:  # (wrapt's name for the wrapper function)
-        method = method.__wrapped__
-    found: Callable[..., Any] = method
-    return found
-
-
-def ours(instance: Any, args: Any, kwargs: Any) -> bool:
-    """Whether ``instance`` is a tape of ours, which ``enter`` and ``exit``
-    leave alone (its own methods do the work)."""
-    return not _is_plain(instance)
-
-
-_GRADIENT_PARAMS = ("target", "sources", "output_gradients", "unconnected_gradients")
-
-
-def unfollowed(instance: Any, args: Any, kwargs: Any) -> bool:
-    """Whether ``gradient`` can be TensorFlow's, called at once: it asks
-    TensorFlow (``_asks_tensorflow``), and the tape keeps no record of the
-    writes made while it is closed, which ``gradient`` lets go after a
-    non-persistent tape's one gradient."""
-    return _HELD not in instance.__dict__ and _asks_tensorflow(instance, args, kwargs)
-
-
-def _asks_tensorflow(instance: Any, args: Any, kwargs: Any) -> bool:
-    """Whether ``gradient`` is TensorFlow's for this tape and question: the tape
-    is one of ours (which maps its own question), or a plain tape never beside
-    one of ours, or one opened with no version about and none made since,
-    asked a question with nothing to map (``_resolve.plain_question``): each
-    variable source means its own handle, which TensorFlow takes from it."""
-    if not _is_plain(instance):
-        return True
-    notes = instance.__dict__
-    start = notes.get(_START)
-    if not _all_scopes and start is None and notes.get(_END) is None and notes.get(_LATEST) is None:
-        # (No _end(instance): a call fewer.) This follower is switched with the
-        # dormant patches: when none has been needed for a while, TensorFlow's
-        # own method goes back in its place (``_registry.idle``).
-        if _registry._switched:
-            _registry.idle()
-        return True
-    if start or _REBASED in notes:
-        return False
-    arguments = bind(_GRADIENT_PARAMS, args, kwargs)
-    return (
-        _resolve.plain_question(
-            arguments.get("target"),
-            arguments.get("sources"),
-            arguments.get("unconnected_gradients", UnconnectedGradients.NONE),
-        )
-        and _serving.serves_own_handles()
-    )
-
-
-def gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``GradientTape.gradient`` of a plain tape: variables named as above."""
-    _control_gradients.refuse_lacking(args[0] if args else kwargs.get("target"), "gradient")
-    if _asks_tensorflow(instance, args, kwargs) or not binds(_GRADIENT_PARAMS, 2, args, kwargs):
-        grads = wrapped(*args, **kwargs)
-    else:
-        grads = _mapped_gradient(wrapped, instance, args, kwargs)
-    notes = instance.__dict__
-    if _HELD in notes and instance._tape is None:
-        # A non-persistent tape's recording went with its gradient: entered
-        # again, it records anew, from nothing. Its record of the writes made
-        # while it is closed goes now, not when the tape is garbage: until
-        # then every dormant patch would take its slow path (a Keras train
-        # step inside a tape of ours exits its tape, asks it, then writes).
-        _resuming.closed_tapes.discard(notes.pop(_HELD)[2])
-    return grads
-
-
-def _mapped_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    arguments = bind(_GRADIENT_PARAMS, args, kwargs)
-    open_now = _still_open(instance)
-    start, end = getattr(instance, _START, None), _end(instance)
-    sources = arguments["sources"]
-    flat = nest.flatten(sources)
-    mapped = [_map(s, start, False) for s in flat]
-    rebased = instance.__dict__.get(_REBASED)
-    if rebased:
-        # Their versions at its entry are watched for it; a variable it was
-        # never told to watch gets what TensorFlow gives: no gradient.
-        watched = {v._unique_id for v in map(_resolve.gradient_variable, instance.watched_variables()) if v is not None}
-        for i, s in enumerate(flat):
-            var = _resolve.gradient_variable(s)
-            if var is not None and var._unique_id in rebased and var._unique_id not in watched:
-                mapped[i] = array_ops.identity(mapped[i])  # a tensor nothing depends on
-    arguments["sources"] = mapped
-    if arguments.get("target") is not None:
-        arguments["target"] = nest.map_structure(lambda t: _map(t, end, open_now, instance), arguments["target"])
-    zero = arguments.get("unconnected_gradients") in (UnconnectedGradients.ZERO, "zero")
-    if zero:
-        # TensorFlow cannot build zeros for a raw handle: build them here.
-        arguments["unconnected_gradients"] = UnconnectedGradients.NONE
-    grads = wrapped(**arguments)
-    if zero:
-        grads = [_resolve.zeros_like_source(s, m) if g is None else g for g, s, m in zip(grads, flat, mapped)]
-    return nest.pack_sequence_as(sources, grads)
-
-
-def watched_variables(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``GradientTape.watched_variables``: each variable once, in
-    TensorFlow's order (``_resolve.watched_in_order``)."""
-    found = wrapped(*args, **kwargs)
-    listed = _resolve.watched_in_order(found)
-    same = len(listed) == len(found) and all(a is b for a, b in zip(listed, found))
-    return found if same else listed  # (TensorFlow's own tuple where nothing changed)
-
-
-def jacobian(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """``GradientTape.jacobian`` / ``batch_jacobian`` of a plain tape: a
-    variable target means its version named as above. TensorFlow's jacobians
-    reshape the target, which would read the variable's own handle: read the
-    version here, on the tape."""
-    target = args[0] if args else kwargs.get("target")
-    var = _resolve.resolve(target) if _is_plain(instance) else None
-    if var is None:
-        return wrapped(*args, **kwargs)
-    handle = _map(var, _end(instance), _still_open(instance), instance)
-    with instance._ensure_recording():
-        value = gen_resource_variable_ops.read_variable_op(handle, var.dtype)
-    if args:
-        return wrapped(value, *args[1:], **kwargs)
-    return wrapped(**{**kwargs, "target": value})

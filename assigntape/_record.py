@@ -53,6 +53,12 @@ class Record:
         ``complete_record``).
     """
 
+    # The recorder protocol's two kind questions (``_recorders.Recorder``):
+    # a tape of ours (an AssignAwareTape, or assigntape.ForwardAccumulator's
+    # internal one), and a forward accumulator (in TensorFlow's set of them).
+    ours = True
+    forward = False
+
     def __init__(self, tape: Any, untracked_writes: str = "raise", keeps_history: bool = True) -> None:
         self._tape = weakref.ref(tape)
         self.untracked_writes = untracked_writes

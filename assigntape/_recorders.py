@@ -23,6 +23,10 @@ store's, asked with the record: "go on from my versions" (``_resuming.go_on_from
 lazily, at each variable's first read) and "my current version of v"
 (``_resuming.latest_version``). Entering and exiting are each recorder's own
 methods (``_tape``, ``_forward``; TensorFlow's, followed by ``_plain_tapes``).
+While a plain tape or accumulator is open, one record stands for it
+(``holding``): the scopes it holds keep it, and ``recording_now`` gives it, so
+that no caller tests a recorder's class: its kind is the record's (``ours``,
+``forward``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import contextlib
 from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence
 
 from assigntape._record import Record
-from assigntape._registry import open_plain
+from assigntape._registry import _tls, open_plain
 from assigntape._tf import forwardprop, pywrap_tfe
 
 __all__ = [
@@ -39,8 +43,11 @@ __all__ = [
     "PlainTapeRecord",
     "Recorder",
     "among",
+    "holding",
     "is_accumulator",
     "record_for",
+    "recording_now",
+    "records",
     "set_aside",
 ]
 
@@ -51,6 +58,11 @@ class Recorder(Protocol):
     # id(a variable's own handle) -> that handle, for each variable written
     # while the recorder was closed (``_versions.note_write_while_closed``).
     written_while_closed: Dict[int, Any]
+    # A tape of ours (its record notes writes, and our gradient completes it).
+    ours: bool
+    # A forward accumulator: where TensorFlow's forward mode, not ours, is
+    # what a caller asks about (``_control_gradients``).
+    forward: bool
 
     def recording(self) -> bool:
         """Whether the recorder records now."""
@@ -71,10 +83,15 @@ class PlainTapeRecord(Record):
     """3: a plain ``tf.GradientTape`` that recorded beside a tape of ours and
     may be entered again. Paused as a tape of ours is: popped."""
 
+    ours = False
+
 
 class AccumulatorRecord(Record):
     """4: TensorFlow's ``ForwardAccumulator``, that recorded beside a tape of
     ours and may be entered again. Paused by being set aside (``set_aside``)."""
+
+    ours = False
+    forward = True
 
     def __init__(self, accumulator: Any) -> None:
         super().__init__(accumulator)
@@ -107,6 +124,38 @@ def record_for(recorder: Any) -> Record:
     if is_accumulator(recorder):
         return AccumulatorRecord(recorder)
     return PlainTapeRecord(recorder)
+
+
+# Where ``holding`` keeps a plain recorder's record, on the recorder.
+_HOLDING = "_assigntape_holding"
+
+
+def holding(recorder: Any) -> Record:
+    """The record that stands for a plain tape or forward accumulator while
+    it is open (in ``Scope.holders``, in ``recording_now``): made once per
+    recorder, and asked only the protocol's questions that need no history
+    (recording, pause and resume, stands for, kind)."""
+    notes = recorder.__dict__
+    found: Optional[Record] = notes.get(_HOLDING)
+    if found is None:
+        found = notes[_HOLDING] = record_for(recorder)
+    return found
+
+
+def recording_now() -> List[Record]:
+    """What records in this thread now, each as its record: the tapes of ours
+    recording, and the plain tapes and forward accumulators recording."""
+    found = [r for s in getattr(_tls, "scopes", {}).values() for r in s.records if r.recording()]
+    for ref, _ in open_plain():
+        recorder = ref()
+        if recorder is not None and getattr(recorder, "_recording", False):
+            found.append(holding(recorder))
+    return found
+
+
+def records(recorder: Recorder) -> bool:
+    """Whether ``recorder`` records now (and TensorFlow's tapes are not stopped)."""
+    return not pywrap_tfe.TFE_Py_TapeSetIsStopped() and recorder.recording()
 
 
 def among(records: Sequence[Recorder], recorder: Any) -> bool:

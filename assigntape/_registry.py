@@ -30,7 +30,6 @@ from assigntape._tf import (
 from assigntape._tf import (
     executing_eagerly,
     ops,
-    pywrap_tfe,
 )
 
 if TYPE_CHECKING:
@@ -156,7 +155,7 @@ def _idle_locked() -> None:
     if _switched and not _all_scopes and not _leases.closed_refs:
         if _leases.plain:
             # A plain tape that ran beside one of ours keeps versions: its
-            # gradient must still map them (``_plain_tapes.gradient``).
+            # gradient must still map them (``_plain_gradients.gradient``).
             # Asked again once it may be gone.
             _active_at = time.monotonic()
             return
@@ -364,22 +363,3 @@ class _PlainList(List[Any]):
 # The same lists by thread: a replica's, read from the main thread while it
 # waits in merge_call. (A thread's entry goes with its thread-local list.)
 _plain_by_thread: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-
-
-def recording_now() -> List[Any]:
-    """What records in this thread now: the records of our tapes recording,
-    and the plain tapes and forward accumulators recording."""
-    found: List[Any] = [r for s in getattr(_tls, "scopes", {}).values() for r in s.records if r.recording()]
-    for ref, _ in open_plain():
-        recorder = ref()
-        if recorder is not None and getattr(recorder, "_recording", False):
-            found.append(recorder)
-    return found
-
-
-def records(recorder: Any) -> bool:
-    """Whether one of our tapes (its record), a plain tape or an accumulator
-    records now."""
-    if pywrap_tfe.TFE_Py_TapeSetIsStopped():
-        return False
-    return recorder.recording() if isinstance(recorder, Record) else bool(getattr(recorder, "_recording", False))

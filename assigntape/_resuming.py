@@ -10,11 +10,11 @@ again it goes on from its versions, lazily: at each variable's first read
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from assigntape import _leases
 from assigntape._record import Record, WriteRecord
-from assigntape._recorders import among
+from assigntape._recorders import among, holding
 from assigntape._registry import _list, _scopes, _tls, current_key
 from assigntape._tf import (
     record,
@@ -30,7 +30,7 @@ def held_by(holder: Any, versions: Optional[Dict[str, Any]] = None) -> Dict[str,
     holds in the current graph: unique id -> (handle, variable).
     ``versions``: ``versions_for(scope, holder)`` here, if already taken."""
     scope = _scopes().get(current_key())
-    if scope is None or scope.records or not any(h is holder for h in scope.holders):
+    if scope is None or scope.records or not among(scope.holders, holder):
         return {}
     return owned(versions_for(scope, holder) if versions is None else versions)
 
@@ -72,12 +72,32 @@ def unseen_writes(recorder: Any, ids: bool = False) -> List[Any]:
     scope = _scopes().get(current_key())
     if scope is None:
         return []
-    found = []
+    return [id(own) if ids else own for own, unseen in _closed_writes(scope, recorder) if unseen]
+
+
+def _closed_writes(scope: Scope, recorder: Any) -> Iterator[Tuple[Any, bool]]:
+    """Each variable's own handle in ``scope.dirty`` written while
+    ``recorder`` was closed, with whether it is unseen (``unseen_writes``)."""
     for own, closed in scope.dirty.values():
-        var = variable_of_handle(own)
-        if among(closed, recorder) and (var is None or var._unique_id not in scope.current):
-            found.append(id(own) if ids else own)
-    return found
+        if among(closed, recorder):
+            var = variable_of_handle(own)
+            yield own, var is None or var._unique_id not in scope.current
+
+
+def note_closed_writes(scope: Scope, record: Record) -> None:
+    """A tape of ours (``record``) closes in ``scope``: the writes made while
+    it was closed before and not read since it was entered again stay, for
+    it, writes it did not see when it is entered once more (the scope forgets
+    its note of them when its last tape closes): noted on its record, those
+    still unseen in ``unseen_at_exit``. One pass over ``scope.dirty`` where
+    ``scope`` is the current graph's (``unseen_writes`` asks that one)."""
+    here = _scopes().get(current_key()) is scope
+    unseen_ids = set() if here else set(unseen_writes(record, ids=True))
+    for own, unseen in _closed_writes(scope, record):
+        record.written_while_closed[id(own)] = own
+        if unseen and here:
+            unseen_ids.add(id(own))
+    record.unseen_at_exit = unseen_ids
 
 
 def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], resuming: Record) -> None:
@@ -99,7 +119,7 @@ def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[i
     if scope is None and (held or written):
         scope = _scopes()[key] = Scope(key)
         _list(scope)
-        scope.holders = [holder]
+        scope.holders = [holding(holder)]
     if scope is not None:
         _resume_inside(scope, held, written, resuming)
 
@@ -166,8 +186,8 @@ def release_holder(instance: Any) -> None:
     if not scopes:
         return
     for scope in list(scopes.values()):
-        if any(h is instance for h in scope.holders):
-            scope.holders = [h for h in scope.holders if h is not instance]
+        if among(scope.holders, instance):
+            scope.holders = [h for h in scope.holders if not h.stands_for(instance)]
         # (Also one whose drop was interrupted: it is finished now.)
         if not scope.holders and not scope.records:
             _drop(scope)

@@ -14,6 +14,7 @@ from assigntape import (
     _forks,
     _graph_gradients,
     _patches,
+    _plain_gradients,
     _plain_tapes,
     _py_functions,
     _record,
@@ -239,10 +240,7 @@ class AssignAwareTape(tf.GradientTape):
             # since it was entered again stay writes with no gradient path
             # for it when it is entered once more (the scope forgets its
             # note of them when its last tape closes).
-            record.unseen_at_exit = set(_resuming.unseen_writes(record, ids=True))
-            for own, closed_at_write in scope.dirty.values():
-                if record in closed_at_write:
-                    record.written_while_closed[id(own)] = own
+            _resuming.note_closed_writes(scope, record)
             _graph_gradients.note_closed(scope, record)
             holders = _plain_tapes.note_closing()
             _versions.close_scope(scope, record, holders)
@@ -434,7 +432,7 @@ class AssignAwareTape(tf.GradientTape):
             target, given, unconnected_gradients, finish = self._mapped_question(target, sources, unconnected_gradients)
         # TensorFlow's gradient (or a mixin's, next in the MRO) is called from
         # this very frame, past the plain tapes' follower
-        # (``_plain_tapes.tensorflows_gradient``): every frame between the
+        # (``_plain_gradients.tensorflows_gradient``): every frame between the
         # caller and TensorFlow costs each op of the backward pass.
         # A non-persistent tape is done once asked: writes need no following
         # from here, and while a closed tape is followed every patched
@@ -445,7 +443,7 @@ class AssignAwareTape(tf.GradientTape):
             self._end_lease()
         _control_gradients.differentiating(1)
         try:
-            grads = _plain_tapes.tensorflows_gradient(type(self), AssignAwareTape)(
+            grads = _plain_gradients.tensorflows_gradient(type(self), AssignAwareTape)(
                 self, target, given, output_gradients, unconnected_gradients
             )
         except BaseException:

@@ -88,11 +88,12 @@ class Scope:
         self.canonical: Dict[int, Any] = {}
         # The records of the AssignAwareTapes open in this scope, outermost first.
         self.records: List[Record] = []
-        # Plain tapes and forward accumulators that were open around the last
-        # AssignAwareTape here when it closed, and still are: they recorded its
-        # writes, so until they close the scope stays, and every read and write
-        # goes on through versions, for them (``close_scope``).
-        self.holders: List[Any] = []
+        # The records (``_recorders.holding``) of the plain tapes and forward
+        # accumulators that were open around the last AssignAwareTape here when
+        # it closed, and still are: they recorded its writes, so until they
+        # close the scope stays, and every read and write goes on through
+        # versions, for them (``close_scope``).
+        self.holders: List[Record] = []
         # id(a variable's own handle) -> (that handle, the tapes that were closed
         # when it was written): writes no tape here saw, made while those tapes
         # were closed, resolved at the variable's first read (``cut_on_first_read``).
@@ -199,7 +200,7 @@ class Scope:
 
     def recording(self) -> bool:
         """Whether a tape here records: an AssignAwareTape, or a holder."""
-        return any(r.recording() for r in self.records) or any(getattr(h, "_recording", False) for h in self.holders)
+        return any(r.recording() for r in self.records) or any(h.recording() for h in self.holders)
 
 
 def open_scope(tape_record: Record) -> Scope:
@@ -215,9 +216,9 @@ def open_scope(tape_record: Record) -> Scope:
     return scope
 
 
-def close_scope(scope: Scope, tape_record: Record, holders: Sequence[Any] = ()) -> None:
+def close_scope(scope: Scope, tape_record: Record, holders: Sequence[Record] = ()) -> None:
     """Unregisters ``tape``; the last tape out drops the scope's versions,
-    unless ``holders`` (plain tapes, forward accumulators open around it)
+    unless ``holders`` (the records of the plain tapes and forward accumulators open around it)
     keep them until they close (``release_holder``)."""
     # The holders first: the tape's exit, interrupted after the removal, is
     # finished by ``finish_close``, which must find them.
@@ -228,7 +229,7 @@ def close_scope(scope: Scope, tape_record: Record, holders: Sequence[Any] = ()) 
         _drop(scope)
 
 
-def finish_close(scope: Scope, tape_record: Record, holders: Sequence[Any] = ()) -> None:
+def finish_close(scope: Scope, tape_record: Record, holders: Sequence[Record] = ()) -> None:
     """``close_scope``, to finish a tape's exit that was interrupted (a
     ``KeyboardInterrupt``) at any point in it, or before it."""
     if any(r is tape_record for r in scope.records):

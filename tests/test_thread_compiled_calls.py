@@ -316,3 +316,33 @@ def test_a_call_made_while_another_threads_writing_function_runs_is_refused() ->
     assert "v_written" in str(out["a"]) and "b_writes" in str(out["a"]) and "thread-A" in str(out["a"])
     np.testing.assert_array_equal(v.numpy(), V0 * 2.0)  # B's write only
     assert not _registry._all_scopes and not _compiled_tapes._running
+
+
+def test_a_function_that_writes_nothing_is_looked_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a tape's graph is noted, every eager call of a function asks
+    whether it writes (``_compiled_tapes._writing``). A function that writes
+    nothing is asked once: its graph is built, its answer cannot change. One
+    that writes is asked at every call (its variables depend on the inputs)."""
+    v = tf.Variable(V0, name="v_written")
+    x = tf.Variable(X0, dtype=tf.float64)
+    step = tf.function(_step(v, x, _Pause(), "assign_aware"))
+    traced = step.get_concrete_function()  # kept: its graph stays noted
+    assert traced.graph in _registry.tape_graphs
+
+    asked = []
+    writing = _compiled_tapes._writing
+
+    def counted(call: Any, writes_of: Any, wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        asked.append(instance)
+        return writing(call, writes_of, wrapped, instance, args, kwargs)
+
+    monkeypatch.setattr(_compiled_tapes, "_writing", counted)
+    reads = tf.function(lambda: tf.reduce_sum(v) * 2.0)
+    writes = tf.function(lambda: v.assign_add(tf.ones_like(v)))
+    for i in range(3):
+        assert float(reads()) == 2.0 * (V0.sum() + 3.0 * i)  # (v + i) summed, doubled
+        writes()
+    read_calls = [f for f in asked if f is reads.get_concrete_function()]
+    write_calls = [f for f in asked if f is writes.get_concrete_function()]
+    assert len(read_calls) == 1 and len(write_calls) == 3
+    np.testing.assert_array_equal(v.numpy(), V0 + 3.0)
