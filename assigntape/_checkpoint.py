@@ -149,6 +149,7 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
         _writes.watch(scope, var)
     ends = [_versions.new_version(after[var._unique_id], None) for var in written]
     outputs = [*ends, *(flat[i] for i in float_out)]
+    segment.ends = outputs
     record.record_operation_backprop_only(_WRITE, outputs, [*starts, *tensors], segment.backward)
     for var, end in zip(written, ends):
         scope.advance(var, scope.current_version(var), end, WriteRecord(_WRITE))

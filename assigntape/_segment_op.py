@@ -9,6 +9,7 @@ variables back as they were.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import tensorflow as tf
@@ -44,6 +45,9 @@ class Segment:
         # Of the first run: a fingerprint of each written variable's value at
         # its end, then of each float tensor returned (``fingerprints``).
         self.prints: List[Any] = []
+        # The recorded op's outputs: a tape that saw the segment reaches its
+        # sources through them (``_refuse_second_order``).
+        self.ends: List[Any] = []
 
     def backward(self, *upstream: Any) -> List[Any]:
         """The gradients for the recorded op's inputs (the versions of
@@ -59,7 +63,7 @@ class Segment:
         try:
             saved = [(var, read(var)) for var, _ in self.touched.values()]
             try:
-                return self._differentiate(upstream)
+                grads = self._differentiate(upstream)
             finally:
                 for var, value in saved:
                     assign(var, value)
@@ -68,6 +72,39 @@ class Segment:
                 r.resume()
             if outer is not None:
                 scopes[key] = outer
+        return self._refuse_second_order(grads, upstream)
+
+    def _refuse_second_order(self, grads: List[Any], upstream: Sequence[Any]) -> List[Any]:
+        """``grads`` through an identity whose own gradient (and tangent)
+        raises: the re-run ran with every recorder paused, so a tape or
+        accumulator recording this backward pass (an outer tape, a persistent
+        tape inside its block, ``jacobian`` of a gradient, forward over
+        reverse) does not see how the gradients depend on the segment's start
+        or on ``upstream``, and would get a silently wrong (often None) second
+        derivative. Recorded where a recorder reaches the identity's inputs
+        (the gradients flowing in, the segment's outputs): a first-order
+        gradient never differentiates it."""
+        given = [g for g in grads if g is not None]
+        if not given or not record.could_possibly_record():
+            return grads
+        refuse = functools.partial(_refuse_second_order, self.name)
+        # The written variables' new versions are handles: connected on the
+        # tapes only (TensorFlow's forward mode takes no resource input; an
+        # accumulator entered after the segment gives them no tangent anyway).
+        handles = [t for t in self.ends if not float_tensor(t)]
+        if handles:
+            with record.stop_recording():
+                passed = [tf.identity(g) for g in given]
+            record.record_operation_backprop_only(_SECOND_ORDER, passed, [*given, *handles], refuse)
+            given = passed
+        floats = [t for t in [*upstream, *self.ends] if float_tensor(t)]
+
+        @tf.custom_gradient
+        def guard(*xs: Any) -> Any:
+            return [tf.identity(x) for x in xs[: len(given)]], refuse
+
+        guarded = iter(guard(*given, *floats))
+        return [None if g is None else next(guarded) for g in grads]
 
     def _differentiate(self, upstream: Sequence[Any]) -> List[Any]:
         # In a graph, the re-run starts once the gradients it is given are
@@ -153,6 +190,20 @@ class Segment:
 
 
 _TINY = 1e-30
+
+
+_SECOND_ORDER = "CheckpointedGradient"
+
+
+def _refuse_second_order(name: str, *_: Any, **__: Any) -> Any:
+    raise RecomputeError(
+        f"{name}: a gradient through this segment is being differentiated again (a second-order "
+        "derivative: a tape or tape.jacobian around the gradient's computation, or a "
+        "ForwardAccumulator over it). The segment's re-run in the backward pass is recorded by no "
+        "tape around it, so that derivative would be wrong. Call the step without checkpointed / "
+        "unroll where a second-order derivative is taken (or take it by finite differences of "
+        "the gradient)."
+    )
 
 
 def fingerprints(variables: List[Any], tensors: List[Any]) -> List[Any]:
