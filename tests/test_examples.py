@@ -126,6 +126,41 @@ def test_maml_sine_small_run(tmp_path):
     assert "MAML after 1 step" in text and "Meta-SGD after 1 step" in text
 
 
+def test_maml_long_unroll_meta_gradient_equals_the_rewrite(capsys):
+    """``--inner-steps 6 --unroll``: the first task's meta-gradient through 6
+    inner SGD steps taken under ``unroll`` (segments of 3) against the
+    assignment-free rewrite: the weights as tensors, theta <- theta - lr g,
+    under a plain tape; and the plain loop's, the example's other figure."""
+    results = maml_sine.main(["--inner-steps", "6", "--unroll", "--meta-steps", "2", "--quiet"])
+    config = maml_sine.UnrollConfig()
+    assert results["config"]["inner_steps"] == 6 and len(results["train_loss"]) == 2
+    model = maml_sine.build_model(config.seed)  # (the example builds its model so, before training)
+    task = [a[0] for a in maml_sine.SineTasks(config.seed + 1).meta_batch(1, config.shots)]
+    xs, ys, xq, yq = (tf.constant(a) for a in task)
+    theta = [tf.constant(w.numpy()) for w in model.trainable_variables]
+
+    def mlp(params, x):
+        h = tf.nn.relu(x @ params[0] + params[1])
+        h = tf.nn.relu(h @ params[2] + params[3])
+        return h @ params[4] + params[5]
+
+    with tf.GradientTape() as outer:
+        outer.watch(theta)
+        params = theta
+        for _ in range(6):
+            with tf.GradientTape() as inner:
+                inner.watch(params)
+                support = tf.reduce_mean((mlp(params, xs) - ys) ** 2)
+            params = [p - config.inner_lr * g for p, g in zip(params, inner.gradient(support, params))]
+        query = tf.reduce_mean((mlp(params, xq) - yq) ** 2)
+    expected = outer.gradient(query, theta)
+    for how in ("unroll", "plain"):
+        for got, want in zip(results["first_gradients"][how], expected):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-6)
+    assert results["max_relative_difference"] < 1e-6
+    assert "peak resident memory" in capsys.readouterr().out
+
+
 def test_maml_report_says_diverged_and_no_target():
     """A run that blew up is reported in words (Meta-SGD's step sizes repeated ten
     times overshoot: the full run's 10-step column is NaN), and the report states
