@@ -61,7 +61,7 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
     before = scope.state(True)
     lengths = [{uid: len(v) for uid, v in r.versions.items()} for r in paused]
     owners = scope.owners
-    log = TouchLog(owners)
+    log = TouchLog(owners, scope.key)
     refusals = Refusals(name, paused, args, log, scope.key)
     for r in paused:
         r.pause()

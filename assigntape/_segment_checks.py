@@ -26,30 +26,61 @@ from assigntape._tf import (
     tensor_lib,
 )
 
-# Stateful ops whose side effect changes no value the step computes with.
-_HARMLESS = frozenset(["Assert", "Print", "PrintV2", "Timestamp", "EagerPyFunc", "PyFunc"])
+# Stateful ops whose side effect changes no value the step computes with, or
+# that TensorFlow declares stateful while their result is a function of their
+# inputs (a check, an uninitialized buffer, a device's index, a constant hint).
+_HARMLESS = frozenset(
+    [
+        *("Assert", "Print", "PrintV2", "Timestamp", "EagerPyFunc", "PyFunc", "DebugIdentityV2", "DebugIdentityV3"),
+        *("CheckNumerics", "CheckNumericsV2", "Empty", "DeviceIndex", "GuaranteeConst", "DeepCopy"),
+        *("_ParallelConcatStart", "StatelessRandomGetAlg", "IsTensorFloat32Enabled", "DatasetToSingleElement"),
+        *("SleepOp", "SleepIdentityOp", "SyncDevice"),
+    ]
+)
+# Stateful ops that draw random numbers from a state in their kernel: refused
+# also where the rule below would let them pass (a dataset of random numbers).
+_DRAWS = frozenset(["RandomDataset", "ExperimentalRandomDataset", "Skipgram"])
 # Ops that take the next element of an iterator: one made before the step
 # holds a position no variable holds (the re-run would take the next ones).
 _ITERATOR_NEXT = frozenset(
     ["IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional", "MultiDeviceIteratorGetNextFromShard"]
 )
 _RESOURCE = 20  # types_pb2.DT_RESOURCE
+_STRING = 7  # types_pb2.DT_STRING: the handle of a queue, reader or TensorArray of TF1
+_VARIANT = 21  # types_pb2.DT_VARIANT: a dataset
 
 
 @functools.lru_cache(maxsize=None)
 def _hidden_state_op(op_type: str) -> bool:
-    """A primitive op with a state no variable holds: stateful (op_def), and
-    neither a variable's nor any resource's op (those take or make a resource:
-    a variable, whose value the checkpoint holds, such as a tf.random.Generator's
-    state, or a table, queue or tensor array), nor one whose side effect no
-    value sees (an assertion, a print). What is left draws from a per-op state
-    in the kernel: the random ops and candidate samplers. (The stateless
-    random ops Keras' SeedGenerator feeds are not stateful.)"""
+    """A primitive op whose result depends on a state no variable holds and
+    that a re-run would not reproduce: stateful (op_def), and not
+
+    - an op that runs functions (``If``, ``While``, ``Case``, a call, a
+      dataset's map): stateful only through its bodies, which
+      ``_hidden_state_in`` looks into;
+    - a resource's op (it takes or makes one: a variable, whose value the
+      checkpoint holds, such as a tf.random.Generator's state; a table, queue
+      or TensorArray made in the step is made again by the re-run; an iterator
+      made before is ``_ITERATOR_NEXT``'s refusal);
+    - an op that makes a dataset or a TF1 handle (a variant or string output
+      with no other input than values: the re-run makes the same one);
+    - ``_HARMLESS``.
+
+    What is left draws from a per-op state in the kernel (the random ops,
+    candidate samplers, ``_DRAWS``) or reaches outside the step (a
+    ``Recv``, a collective, a file read), which the re-run may not see again.
+    (The stateless random ops Keras' SeedGenerator feeds are not stateful.)"""
     op_def = op_def_registry.get(op_type)
     if op_def is None or not op_def.is_stateful or op_type in _HARMLESS:
         return False
+    if op_type in _DRAWS:
+        return True
+    if any(a.type in ("func", "list(func)") for a in op_def.attr):
+        return False
     args = [*op_def.input_arg, *op_def.output_arg]
-    return not any(a.type == _RESOURCE for a in args) and not any(a.name == "f" for a in op_def.attr)
+    if any(a.type == _RESOURCE for a in args):
+        return False
+    return not any(a.type in (_STRING, _VARIANT) for a in op_def.output_arg)
 
 
 def _function_def(name: str) -> Any:
@@ -95,10 +126,17 @@ class TouchLog(Dict[int, Any]):
     handle descriptor calls it from TensorFlow's C++ code): an error is kept
     for the segment to raise."""
 
-    def __init__(self, base: Dict[int, Any]) -> None:
+    def __init__(self, base: Dict[int, Any], graph: Any = None) -> None:
         super().__init__(base)
         self.touched: Dict[str, Tuple[Any, Any]] = {}
         self.error: Optional[BaseException] = None
+        # The segment's graph (None: eager): the copy is made there, also at
+        # a first touch inside a tf.cond branch or loop body the step builds
+        # (whose tensors the segment's graph cannot reach). There it runs
+        # before the control-flow op, which is built after its bodies and
+        # ordered after the read by the automatic control dependencies: the
+        # value at the segment's start, as the first touch would see it.
+        self.graph = graph
 
     def __setitem__(self, key: int, var: Any) -> None:
         super().__setitem__(key, var)
@@ -111,7 +149,11 @@ class TouchLog(Dict[int, Any]):
             return
         self.touched[uid] = (var, None)
         try:
-            self.touched[uid] = (var, read(var))
+            if self.graph is None or ops.get_default_graph() is self.graph:
+                self.touched[uid] = (var, read(var))
+            else:
+                with self.graph.as_default():
+                    self.touched[uid] = (var, read(var))
         except BaseException as error:  # noqa: B036 - kept, raised by the segment
             if self.error is None:
                 self.error = error
@@ -192,9 +234,10 @@ class Refusals:
 
     def refuse_hidden_state(self, found: str) -> None:
         raise RecomputeError(
-            f"{self.name} ran the stateful op {found}, whose state no variable holds (a random op, "
-            "a candidate sampler, the next element of an iterator made before the step): its re-run "
-            "in the backward pass would draw other values, a silently different gradient. Draw from "
+            f"{self.name} ran the stateful op {found}, whose result depends on a state no variable "
+            "holds (a random op's or a candidate sampler's kernel state, the position of an iterator "
+            "made before the step, a value received from outside the step): its re-run "
+            "in the backward pass would get other values, a silently different gradient. Draw from "
             "a tf.random.Generator, a Keras SeedGenerator, or a stateless op "
             "(tf.random.stateless_uniform) whose seed is a variable or an argument; pass the batch "
             "as an argument (checkpointed(step)(next(it)))."

@@ -118,7 +118,7 @@ class Segment:
         with AssignAwareTape() as tape:
             scope = tape._scope
             assert scope is not None
-            log = scope.owners = TouchLog(scope.owners)
+            log = scope.owners = TouchLog(scope.owners, scope.key)
             for var in self.inputs:
                 tape.watch(var)
             tape.watch(tensors)

@@ -1,0 +1,151 @@
+"""``checkpointed`` / ``unroll`` crossed with contexts: graph control flow in
+a step, ops TensorFlow declares stateful that are deterministic, XLA, a
+loaded SavedModel's function, MirroredStrategy replicas (issue #39, the
+fourth adversary's findings f01..f06).
+
+The oracle is the same program without the wrappers (the loop) in the same
+mode, and for the small variable programs the assignment-free rewrite on
+tensors under a plain ``tf.GradientTape``.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from oracle import assert_grads_close, modes, run
+
+from assigntape import AssignAwareTape, RecomputeError, unroll
+
+W0 = [1.0, 2.0]
+
+
+def _cond_reads(w, lr):
+    return w.assign_sub(lr * tf.cond(tf.reduce_sum(w) > 0, lambda: 2.0 * w, lambda: -w))
+
+
+def _cond_writes(w, lr):
+    return tf.cond(tf.reduce_sum(w) > 0, lambda: w.assign_sub(lr * 2.0 * w), lambda: w.assign_add(lr * w))
+
+
+def _while_reads(w, lr):
+    twice = tf.while_loop(lambda i, a: i < 2, lambda i, a: (i + 1, a + w), (0, tf.zeros(2)))[1]
+    return w.assign_sub(lr * twice)
+
+
+def _map_fn_reads(w, lr):
+    return w.assign_sub(lr * tf.map_fn(lambda e: 2.0 * e, tf.identity(w)))
+
+
+def _check_numerics(w, lr):
+    return w.assign_sub(lr * 2.0 * tf.debugging.check_numerics(w, "w"))
+
+
+def _dataset_in_step(w, lr):
+    # A dataset made in the step (a TensorSliceDataset / RangeDataset source,
+    # stateful in its op_def) is made again the same by the re-run.
+    total = tf.data.Dataset.range(3).reduce(tf.constant(0, tf.int64), lambda a, b: a + b)
+    return w.assign_sub(lr * 2.0 * w * tf.cast(total, tf.float32) / 3.0)
+
+
+STEPS = {
+    "cond_reads": _cond_reads,
+    "cond_writes": _cond_writes,
+    "while_reads": _while_reads,
+    "map_fn_reads": _map_fn_reads,
+    "check_numerics": _check_numerics,
+    "dataset_in_step": _dataset_in_step,
+}
+
+
+def _program(step, wrap):
+    w, lr = tf.Variable(W0), tf.Variable(0.1)
+
+    def body():
+        with AssignAwareTape() as tape:
+            if wrap:
+                unroll(lambda: step(w, lr), 3, checkpoint_every=2)
+            else:
+                for _ in range(3):
+                    step(w, lr)
+            y = tf.reduce_sum(w**2)
+        return y, tape.gradient(y, lr)
+
+    return body
+
+
+@modes
+@pytest.mark.parametrize("name", list(STEPS))
+def test_control_flow_and_deterministic_stateful_ops_in_a_step(mode, name):
+    # Each step is w <- w - 2 lr w (every branch taken is the first, the loop
+    # adds w twice, the dataset's sum 0+1+2 is 3): the rewrite on tensors.
+    with tf.GradientTape() as plain:
+        lr = tf.constant(0.1)
+        plain.watch(lr)
+        w = tf.constant(W0)
+        for _ in range(3):
+            w = w - lr * 2.0 * w
+        y = tf.reduce_sum(w**2)
+    rewrite = (y, plain.gradient(y, lr))
+    loop = run(mode, _program(STEPS[name], False))
+    got = run(mode, _program(STEPS[name], True))
+    assert_grads_close(got, loop, rtol=1e-5)
+    assert_grads_close(got, rewrite, rtol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["accumulation", "loss_scale"])
+def test_keras_optimizers_whose_update_is_a_cond_compiled(which):
+    """The long-unrolls page's program in a tf.function, with an optimizer
+    whose update is a tf.cond (f03)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+    lr = tf.Variable(0.05)
+    sgd = lambda **k: keras.optimizers.SGD(learning_rate=lambda: lr, momentum=0.9, **k)  # noqa: E731
+    opt = sgd(gradient_accumulation_steps=2) if which == "accumulation" else keras.optimizers.LossScaleOptimizer(sgd())
+    opt.build(model.trainable_variables)
+    state = list(model.variables) + list(opt.variables)
+    init = [v.numpy() for v in state]
+    x = tf.constant(np.linspace(-1, 1, 24).reshape(8, 3), tf.float32)
+    y = tf.sin(tf.reduce_sum(x, 1, keepdims=True))
+
+    def step():
+        with tf.GradientTape() as inner:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        opt.apply_gradients(zip(inner.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    def program(wrap):
+        def body():
+            with AssignAwareTape() as tape:
+                if wrap:
+                    unroll(step, 4)
+                else:
+                    for _ in range(4):
+                        step()
+                val = tf.reduce_mean((model(x) - y) ** 2)
+            return val, tape.gradient(val, [lr, *model.trainable_variables])
+
+        for v, a in zip(state, init):
+            v.assign(a)
+        return tf.function(body)()
+
+    assert_grads_close(program(True), program(False), rtol=1e-5)
+
+
+@modes
+@pytest.mark.parametrize("op", ["random_uniform", "random_in_a_cond", "random_dataset"])
+def test_random_ops_are_still_refused(mode, op):
+    w, lr = tf.Variable(W0), tf.Variable(0.1)
+    draw = {
+        "random_uniform": lambda: tf.random.uniform([2]),
+        "random_in_a_cond": lambda: tf.cond(lr > 0, lambda: tf.random.uniform([2]), lambda: tf.zeros(2)),
+        "random_dataset": lambda: tf.cast(next(iter(tf.data.Dataset.random().take(1))) % 2, tf.float32) * w,
+    }[op]
+
+    def body():
+        with AssignAwareTape():
+            unroll(lambda: w.assign_sub(lr * draw()), 2)
+
+    expected = "RandomDataset" if op == "random_dataset" else "RandomUniform"
+    with pytest.raises(RecomputeError, match=expected):
+        run(mode, body)
