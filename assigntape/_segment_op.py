@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 from assigntape import _registry
@@ -156,19 +157,24 @@ class Segment:
         grads: List[Any] = tape.gradient(targets, sources, output_gradients=grads_out)
         if check is None:
             return grads
-        with ops.control_dependencies(check):  # the gradients fail where the re-run differs
-            return [None if g is None else _identity(g) for g in grads]
+        asserts, same = check
+        # The gradients' graph run fails where the re-run differs; under XLA,
+        # which drops assertions, every element of every gradient is NaN.
+        with ops.control_dependencies(asserts), record.stop_recording():
+            return [None if g is None else tf.where(same, g, tf.constant(np.nan, g.dtype)) for g in grads]
 
-    def _check_same(self, flat: List[Any]) -> Optional[List[Any]]:
+    def _check_same(self, flat: List[Any]) -> Optional[Tuple[List[Any], Any]]:
         """The re-run's ends compared with the first run's (fingerprints): a
         stateful op whose state no variable holds (not refused up front: an
         iterator, a py_function drawing random numbers, ...) makes them
         differ. Eagerly a ``RecomputeError``; in a graph, assertions for the
-        gradients to depend on (None eagerly)."""
+        gradients to depend on and whether all are the same (a scalar bool
+        tensor), or None eagerly."""
         names = [f"the variable {v.name!r}" for v in self.written]
         names += [f"its returned tensor {i} (of nest.flatten)" for i in self.float_out]
         again = fingerprints(self.written, [flat[i] for i in self.float_out])
         checks: List[Any] = []
+        alike: List[Any] = []
         dtypes_ = [v.dtype for v in self.written] + [flat[i].dtype for i in self.float_out]
         for what, dtype, first, second in zip(names, dtypes_, self.prints, again):
             message = (
@@ -186,7 +192,11 @@ class Segment:
                         raise RecomputeError(message)
                 else:
                     checks.append(tf.debugging.Assert(same, [message]))
-        return checks if checks else None
+                    alike.append(same)
+        if not checks:
+            return None
+        with record.stop_recording():
+            return checks, tf.reduce_all(tf.stack(alike))
 
 
 _TINY = 1e-30
@@ -225,11 +235,6 @@ def _rtol(dtype: Any) -> float:
     few rounding steps of ``dtype``'s, relative to the sum of absolute values)
     for a graph's optimizer rewriting one run and not the other."""
     return 3e-2 if dtype.real_dtype.size <= 2 else 1e-6
-
-
-def _identity(g: Any) -> Any:
-    with record.stop_recording():
-        return tf.identity(g)
 
 
 def _names(a: Dict[str, Tuple[Any, Any]], b: Dict[str, Tuple[Any, Any]], wrote: Set[str], written: List[Any]) -> str:

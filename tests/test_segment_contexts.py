@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 from oracle import assert_grads_close, modes, run
 
-from assigntape import AssignAwareTape, RecomputeError, unroll
+from assigntape import AssignAwareTape, RecomputeError, checkpointed, unroll
 
 W0 = [1.0, 2.0]
 
@@ -35,7 +35,8 @@ def _while_reads(w, lr):
 
 
 def _map_fn_reads(w, lr):
-    return w.assign_sub(lr * tf.map_fn(lambda e: 2.0 * e, tf.identity(w)))
+    # (the body reads the variable: TensorFlow's map_fn is a while loop)
+    return w.assign_sub(lr * tf.map_fn(lambda i: 2.0 * w[i], tf.range(2), fn_output_signature=tf.float32))
 
 
 def _check_numerics(w, lr):
@@ -149,3 +150,31 @@ def test_random_ops_are_still_refused(mode, op):
     expected = "RandomDataset" if op == "random_dataset" else "RandomUniform"
     with pytest.raises(RecomputeError, match=expected):
         run(mode, body)
+
+
+@pytest.mark.parametrize("differs", [True, False])
+def test_rerun_computing_another_value_under_xla_gives_nan_gradients(differs):
+    """XLA drops assertions: where the re-run computes another value (a
+    Python counter read at trace time), every element of every gradient
+    through the segment is NaN instead (f01). The run's own gradient would be
+    d(w - lr*1*w)/dlr = -w0 = -2 and the re-run's -4: neither is given."""
+    w, lr = tf.Variable(2.0), tf.Variable(0.1)
+    calls = []
+
+    def step():
+        calls.append(1)
+        w.assign_sub(lr * float(len(calls) if differs else 1) * w)
+
+    @tf.function(jit_compile=True)
+    def program():
+        with AssignAwareTape() as tape:
+            checkpointed(step)()
+            y = w * 1.0
+        return y, tape.gradient(y, [lr, w])
+
+    y, (d_lr, d_w) = program()
+    assert float(y) == pytest.approx(1.8)  # the first run: 2 - 0.1 * 1 * 2
+    if differs:
+        assert np.isnan(d_lr.numpy()) and np.isnan(d_w.numpy())
+    else:  # d/dlr of w0 (1 - lr) at the start: -w0; d/dw0: 1 - lr
+        assert_grads_close([d_lr, d_w], [tf.constant(-2.0), tf.constant(0.9)], rtol=1e-5)
