@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from assigntape import _versions
+from assigntape import _registry, _versions
 from assigntape._errors import RecomputeError
 from assigntape._tf import (
     context,
@@ -45,6 +45,8 @@ _DRAWS = frozenset(["RandomDataset", "ExperimentalRandomDataset", "Skipgram"])
 _ITERATOR_NEXT = frozenset(
     ["IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional", "MultiDeviceIteratorGetNextFromShard"]
 )
+# Ops that call a function traced before.
+_CALLS = frozenset(["StatefulPartitionedCall", "PartitionedCall"])
 _RESOURCE = 20  # types_pb2.DT_RESOURCE
 _STRING = 7  # types_pb2.DT_STRING: the handle of a queue, reader or TensorArray of TF1
 _VARIANT = 21  # types_pb2.DT_VARIANT: a dataset
@@ -203,6 +205,10 @@ class Refusals:
     def callback(
         self, op_type: str, inputs: Any, attrs: Any, outputs: Any, op_name: Any = None, graph: Any = None
     ) -> Any:
+        # (returns ``outputs``: TensorFlow hands the next callback in its list
+        # what this one returns, None for "unchanged" only to the op itself)
+        if not self.running_here():
+            return outputs
         if graph is None:  # (a graph's ops: looked at once it is built, ``scan``)
             found = _hidden_state_in(op_type, (), set())  # (a function: its name)
             iterator = inputs[0] if op_type in _ITERATOR_NEXT and inputs else None
@@ -211,7 +217,7 @@ class Refusals:
             if found is not None:
                 self.refuse_hidden_state(found)
         if graph is not self.key:
-            return None  # a function traced meanwhile: its own graph
+            return outputs  # a function traced meanwhile: its own graph
         for t in inputs or ():
             if isinstance(t, tensor_lib.Tensor) and t.dtype == dtypes.resource:
                 # A variable a called tf.function reads through the handle it
@@ -226,7 +232,16 @@ class Refusals:
         for t in outputs or ():
             if isinstance(t, tensor_lib.Tensor):
                 self.inside.add(_key(t))
-        return None
+        return outputs
+
+    def running_here(self) -> bool:
+        """Whether the op is the segment's: its scope is this thread's (or
+        the one this thread acts for, ``_threads.acting_for``). TensorFlow's
+        list of op callbacks is shared: MirroredStrategy's replica threads
+        take the list of the thread that started them, so each replica's
+        segment sees the others' ops, and the cross-replica update's."""
+        scopes: Dict[Any, Any] = getattr(_registry._tls, "scopes", None) or {}
+        return any(scope.owners is self.log for scope in scopes.values())
 
     def made(self, t: Any) -> bool:
         """``t`` was given to the step or made by it."""
@@ -257,6 +272,17 @@ class Refusals:
                 found = op.type
             if found is not None:
                 self.refuse_hidden_state(f"{found} ({op.name})")
+            if op.type in _CALLS:
+                # A variable a called function reads through its captures: no
+                # graph op callback sees the call, nor (the tapes paused) does
+                # TensorFlow's note of the function's variables, which the
+                # re-run's tape gets. Noted now (a function that writes is
+                # inlined or refused: what it only reads has the same value
+                # after the step as at the call).
+                for t in op.inputs:
+                    var = _variable_of(t, self.log) if t.dtype == dtypes.resource else None
+                    if var is not None:
+                        self.log.note(var)
             # (a call of a function, which no graph op callback sees, takes
             # what the function captures as inputs: the closes-over refusal)
             outside = [t for t in op.inputs if float_tensor(t) and id(t.op) not in inside and not self.made(t)]

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import helper_output
 from oracle import assert_grads_close, modes, run
 
 from assigntape import AssignAwareTape, RecomputeError, checkpointed, unroll
@@ -178,3 +179,69 @@ def test_rerun_computing_another_value_under_xla_gives_nan_gradients(differs):
         assert np.isnan(d_lr.numpy()) and np.isnan(d_w.numpy())
     else:  # d/dlr of w0 (1 - lr) at the start: -w0; d/dw0: 1 - lr
         assert_grads_close([d_lr, d_w], [tf.constant(-2.0), tf.constant(0.9)], rtol=1e-5)
+
+
+def test_mirrored_replicas_unroll_steps_updating_in_merge_call():
+    """MirroredStrategy, a tape in each replica, ``unroll`` of Keras 3
+    SGD(momentum) steps and of steps with a ``merge_call`` of one's own (f05):
+    each replica's gradient and w's components as the loop's. Were: eagerly
+    an UntrackedWriteError (each replica's segment noted the other's ops:
+    TensorFlow's op callback list is shared by the replica threads);
+    compiled, a false "closes over" refusal or re-run assertion (the second
+    callback in that list got None for the op's outputs)."""
+    out = helper_output("mirrored_unroll")
+    for key, got in out.items():
+        assert isinstance(got["loop"], dict), (key, got["loop"])
+        assert isinstance(got["unroll"], dict), (key, got["unroll"])
+        np.testing.assert_allclose(got["unroll"]["d_lr"], got["loop"]["d_lr"], rtol=1e-5, err_msg=key)
+        np.testing.assert_allclose(got["unroll"]["w"], got["loop"]["w"], rtol=1e-6, err_msg=key)
+
+
+@modes
+def test_step_calling_a_loaded_savedmodel_function(mode, tmp_path):
+    """A step calling a loaded SavedModel's function, which reads its restored
+    variable through its captures (f06): compiled, the first run noted that
+    variable nowhere (a call op reaches no graph op callback, and the paused
+    tapes had TensorFlow note no access), the re-run did: refused as a Python
+    side effect. The loop's values and gradients, for lr and the restored
+    variable too."""
+
+    class Scale(tf.Module):
+        def __init__(self):
+            self.v = tf.Variable([0.5, -0.5])
+
+        @tf.function(input_signature=[tf.TensorSpec([2])])
+        def f(self, a):
+            return a * self.v
+
+    tf.saved_model.save(Scale(), str(tmp_path))
+    loaded = tf.saved_model.load(str(tmp_path))
+    w, lr = tf.Variable(W0), tf.Variable(0.1)
+
+    def program(wrap):
+        def body():
+            with AssignAwareTape() as tape:
+                if wrap:
+                    unroll(lambda: w.assign_sub(lr * loaded.f(w)), 3, checkpoint_every=2)
+                else:
+                    for _ in range(3):
+                        w.assign_sub(lr * loaded.f(w))
+                y = tf.reduce_sum(w**2)
+            return y, tape.gradient(y, [lr, loaded.v])
+
+        w.assign(W0)
+        return run(mode, body)
+
+    # The rewrite: w <- w (1 - lr v), three times; y = sum(w^2).
+    with tf.GradientTape() as plain:
+        lr_t, v_t = tf.constant(0.1), tf.constant([0.5, -0.5])
+        plain.watch([lr_t, v_t])
+        wt = tf.constant(W0)
+        for _ in range(3):
+            wt = wt - lr_t * wt * v_t
+        y = tf.reduce_sum(wt**2)
+    rewrite = (y, plain.gradient(y, [lr_t, v_t]))
+    loop = program(False)
+    got = program(True)
+    assert_grads_close(got, loop, rtol=1e-5)
+    assert_grads_close(got, rewrite, rtol=1e-5)
