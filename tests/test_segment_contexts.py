@@ -51,6 +51,14 @@ def _dataset_in_step(w, lr):
     return w.assign_sub(lr * 2.0 * w * tf.cast(total, tf.float32) / 3.0)
 
 
+TWO = tf.data.Dataset.from_tensors(2.0)  # made before any step
+
+
+def _single_element_of_a_dataset_made_before(w, lr):
+    # (DatasetToSingleElement: stateful in its op_def, a value of the dataset)
+    return w.assign_sub(lr * TWO.get_single_element() * w)
+
+
 STEPS = {
     "cond_reads": _cond_reads,
     "cond_writes": _cond_writes,
@@ -58,6 +66,7 @@ STEPS = {
     "map_fn_reads": _map_fn_reads,
     "check_numerics": _check_numerics,
     "dataset_in_step": _dataset_in_step,
+    "single_element": _single_element_of_a_dataset_made_before,
 }
 
 
