@@ -161,7 +161,7 @@ class Segment:
         # The gradients' graph run fails where the re-run differs; under XLA,
         # which drops assertions, every element of every gradient is NaN.
         with ops.control_dependencies(asserts), record.stop_recording():
-            return [None if g is None else tf.where(same, g, tf.constant(np.nan, g.dtype)) for g in grads]
+            return [None if g is None else _nan_unless(same, g) for g in grads]
 
     def _check_same(self, flat: List[Any]) -> Optional[Tuple[List[Any], Any]]:
         """The re-run's ends compared with the first run's (fingerprints): a
@@ -235,6 +235,14 @@ def _rtol(dtype: Any) -> float:
     few rounding steps of ``dtype``'s, relative to the sum of absolute values)
     for a graph's optimizer rewriting one run and not the other."""
     return 3e-2 if dtype.real_dtype.size <= 2 else 1e-6
+
+
+def _nan_unless(same: Any, g: Any) -> Any:
+    """``g``, or NaN in each of its elements where ``same`` (a scalar) is
+    false; an ``IndexedSlices`` stays one."""
+    if isinstance(g, indexed_slices.IndexedSlices):
+        return indexed_slices.IndexedSlices(_nan_unless(same, g.values), g.indices, g.dense_shape)
+    return tf.where(same, g, tf.constant(np.nan, g.dtype))
 
 
 def _names(a: Dict[str, Tuple[Any, Any]], b: Dict[str, Tuple[Any, Any]], wrote: Set[str], written: List[Any]) -> str:
