@@ -29,7 +29,7 @@ import tensorflow as tf
 from assigntape import _registry, _resuming, _versions, _writes
 from assigntape._errors import RecomputeError
 from assigntape._record import WriteRecord
-from assigntape._segment_checks import Refusals, TouchLog, assign, float_tensor, is_float
+from assigntape._segment_checks import Refusals, TouchLog, assign, float_tensor, is_float, remove_callback
 from assigntape._segment_op import Segment, fingerprints
 from assigntape._tf import forwardprop, nest, op_callbacks, ops, pywrap_tfe, record
 
@@ -86,13 +86,19 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
                 "or the step without it there."
             )
         start = len(graph.get_operations()) if graph is not None else ops.uid()
-        scope.owners = log
-        op_callbacks.add_op_callback(refusals.callback)
         try:
+            # (inside the try whose finally undoes them: an interrupt between
+            # would leave the callback, and through it the tapes, behind)
+            scope.owners = log
+            op_callbacks.add_op_callback(refusals.callback)
             with tf.variable_creator_scope(refusals.creator):
                 result = run(*args)
-            if log.error is not None:
-                raise log.error
+            error, log.error = log.error, None  # (kept, it would hold its traceback's frames: a cycle)
+            if error is not None:
+                try:
+                    raise error
+                finally:
+                    del error
             if graph is not None:
                 refusals.scan(graph, start)
         except BaseException:
@@ -104,8 +110,11 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
             _forget_inner_versions(scope, before, paused, lengths)
             raise
         finally:
-            op_callbacks.remove_op_callback(refusals.callback)
-            scope.owners = owners
+            # (One line: an interrupt there has it run once more, as a tape's exit does.)
+            try: _restore(scope, owners, refusals.callback)  # noqa: E701  # fmt: skip
+            except BaseException:
+                _restore(scope, owners, refusals.callback)
+                raise
     finally:
         for r in reversed(paused):
             r.resume()
@@ -154,6 +163,13 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
     for var, end in zip(written, ends):
         scope.advance(var, scope.current_version(var), end, WriteRecord(_WRITE))
     return result
+
+
+def _restore(scope: _versions.Scope, owners: Dict[int, Any], callback: Any) -> None:
+    """The scope's owners and TensorFlow's op callbacks as before the
+    segment (again: no change)."""
+    scope.owners = owners
+    remove_callback(callback)
 
 
 def _forget_inner_versions(

@@ -19,6 +19,7 @@ from assigntape._tf import (
     context,
     dtypes,
     gen_resource_variable_ops,
+    op_callbacks,
     op_def_registry,
     ops,
     pywrap_tfe,
@@ -159,6 +160,12 @@ class TouchLog(Dict[int, Any]):
         except BaseException as error:  # noqa: B036 - kept, raised by the segment
             if self.error is None:
                 self.error = error
+
+
+def remove_callback(callback: Any) -> None:
+    """Removes an op callback, if it was added (an interrupt may have come first)."""
+    if callback in context.context().op_callbacks:
+        op_callbacks.remove_op_callback(callback)
 
 
 def read(var: Any) -> Any:

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from assigntape import _registry
 from assigntape._errors import RecomputeError
-from assigntape._segment_checks import Refusals, TouchLog, assign, float_tensor, read
+from assigntape._segment_checks import Refusals, TouchLog, assign, float_tensor, read, remove_callback
 from assigntape._tape import AssignAwareTape
 from assigntape._tf import indexed_slices, nest, op_callbacks, ops, record, tensor_lib
 
@@ -124,11 +124,7 @@ class Segment:
                 tape.watch(var)
             tape.watch(tensors)
             notes = Refusals(self.name, [], self.args, log, scope.key)
-            op_callbacks.add_op_callback(notes.callback)
-            try:
-                result = self.run(*self.args)
-            finally:
-                op_callbacks.remove_op_callback(notes.callback)
+            result = _run_noted(notes, self.run, self.args)
         # A variable the first run did not touch has no copy; one it wrote and
         # the re-run did not (or the other way) is another step.
         wrote = {uid for uid in tape._record.versions}
@@ -200,6 +196,17 @@ class Segment:
 
 
 _TINY = 1e-30
+
+
+def _run_noted(notes: Refusals, run: Callable[..., Any], args: Sequence[Any]) -> Any:
+    """``run(*args)`` with ``notes`` noting the variables it touches. (Its
+    own function: an interrupt at a ``try`` line directly in a ``with``
+    block skips the block's exit, here the re-run tape's.)"""
+    try:
+        op_callbacks.add_op_callback(notes.callback)
+        return run(*args)
+    finally:
+        remove_callback(notes.callback)
 
 
 _SECOND_ORDER = "CheckpointedGradient"

@@ -7,6 +7,8 @@ import math
 import numbers
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from assigntape import _registry
 from assigntape._checkpoint import run_segment
 from assigntape._errors import RecomputeError
@@ -42,6 +44,7 @@ def unroll(
       What the last call of ``fn`` returned (None for zero steps).
 
     Raises:
+      TypeError: ``steps``, ``checkpoint_every`` or ``truncate`` is a bool.
       RecomputeError: ``steps`` is a tensor (the number of segments must be
         known when the tape records), or what ``checkpointed`` refuses.
 
@@ -54,6 +57,14 @@ def unroll(
     >>> round(float(tape.gradient(loss, lr)), 4)
     -7.68
     """
+    given = {"steps": steps, "checkpoint_every": checkpoint_every, "truncate": truncate}
+    flags = [name for name, value in given.items() if isinstance(value, (bool, np.bool_))]
+    if flags:
+        # (a bool is an int to Python: unroll(fn, True) would run one step)
+        raise TypeError(
+            f"unroll was given {flags[0]}={given[flags[0]]!r}: it takes a number of steps, not a "
+            f"bool. Pass an int (unroll(fn, steps, checkpoint_every, truncate))."
+        )
     if isinstance(steps, tensor_lib.Tensor) or not isinstance(steps, numbers.Integral):
         raise RecomputeError(
             f"unroll was given steps={steps!r}: it takes a Python int (the tape records one op per "
