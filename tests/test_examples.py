@@ -25,16 +25,18 @@ def _assert_png(path):
 # -- maml_sine -----------------------------------------------------------------------
 
 
+def _mlp(params, x):
+    """maml_sine's 1-40-40-1 ReLU model on the weights as tensors."""
+    h = tf.nn.relu(x @ params[0] + params[1])
+    h = tf.nn.relu(h @ params[2] + params[3])
+    return h @ params[4] + params[5]
+
+
 def _functional_maml(weights, step_sizes, batch):
     """MAML written with the weights as tensors: no variables, no writes."""
     xs, ys, xq, yq = (tf.constant(a) for a in batch)
     theta = [tf.constant(w) for w in weights]
     alphas = [tf.constant(a) for a in step_sizes]
-
-    def mlp(params, x):
-        h = tf.nn.relu(x @ params[0] + params[1])
-        h = tf.nn.relu(h @ params[2] + params[3])
-        return h @ params[4] + params[5]
 
     with tf.GradientTape() as outer:
         outer.watch(theta + alphas)
@@ -42,10 +44,10 @@ def _functional_maml(weights, step_sizes, batch):
         for t in range(xs.shape[0]):
             with tf.GradientTape() as inner:
                 inner.watch(theta)
-                support = tf.reduce_mean((mlp(theta, xs[t]) - ys[t]) ** 2)
+                support = tf.reduce_mean((_mlp(theta, xs[t]) - ys[t]) ** 2)
             grads = inner.gradient(support, theta)
             adapted = [p - a * g for p, a, g in zip(theta, alphas, grads)]
-            losses.append(tf.reduce_mean((mlp(adapted, xq[t]) - yq[t]) ** 2))
+            losses.append(tf.reduce_mean((_mlp(adapted, xq[t]) - yq[t]) ** 2))
         meta_loss = tf.add_n(losses) / len(losses)
     return meta_loss, outer.gradient(meta_loss, theta + alphas)
 
@@ -139,20 +141,15 @@ def test_maml_long_unroll_meta_gradient_equals_the_rewrite(capsys):
     xs, ys, xq, yq = (tf.constant(a) for a in task)
     theta = [tf.constant(w.numpy()) for w in model.trainable_variables]
 
-    def mlp(params, x):
-        h = tf.nn.relu(x @ params[0] + params[1])
-        h = tf.nn.relu(h @ params[2] + params[3])
-        return h @ params[4] + params[5]
-
     with tf.GradientTape() as outer:
         outer.watch(theta)
         params = theta
         for _ in range(6):
             with tf.GradientTape() as inner:
                 inner.watch(params)
-                support = tf.reduce_mean((mlp(params, xs) - ys) ** 2)
+                support = tf.reduce_mean((_mlp(params, xs) - ys) ** 2)
             params = [p - config.inner_lr * g for p, g in zip(params, inner.gradient(support, params))]
-        query = tf.reduce_mean((mlp(params, xq) - yq) ** 2)
+        query = tf.reduce_mean((_mlp(params, xq) - yq) ** 2)
     expected = outer.gradient(query, theta)
     for how in ("unroll", "plain"):
         for got, want in zip(results["first_gradients"][how], expected):
