@@ -10,7 +10,7 @@ differentiates through writes.
 """
 
 from assigntape import _autograph, _patches
-from assigntape._checkpoint import checkpointed, unroll
+from assigntape._checkpoint import checkpointed
 from assigntape._diagnostics import Explanation, History, Reason
 from assigntape._errors import (
     AssignTapeError,
@@ -27,6 +27,7 @@ from assigntape._errors import (
 from assigntape._forward import ForwardAccumulator
 from assigntape._patches import uninstall
 from assigntape._tape import AssignAwareTape
+from assigntape._unroll import unroll
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
 """Long unrolls (issue #39): peak memory and time of K inner SGD steps.
 
-``python -m benchmarks.unroll [--ks 10,100,1000] [--roles plain,checkpointed,unroll] [--compiled]``
+``python -m benchmarks.unroll [--ks 10,100,1000] [--roles plain,checkpointed,unroll] [--compiled [--warm]] [--tensors]``
 
 The workload: a 64 -> 256 -> 256 -> 1 tanh MLP (Keras 3), batch 256, K inner
 Keras ``SGD`` steps inside an ``AssignAwareTape``, then the gradient of a
@@ -11,7 +11,8 @@ ceil(sqrt(K)) steps). Each (role, K) runs in a fresh process
 (``python -m benchmarks.unroll --one ROLE K``): the peak resident set during the
 meta step above the resident set before it (``benchmarks.memory``), and its time.
 Compiled, the meta step is a ``tf.function`` traced (not run) before the
-measured call.
+measured call; with ``--warm``, called once before it (the steady state: the
+graph instantiated and optimized, its memory the step's own).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Callable, Dict
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def build(role: str, k: int, compiled: bool) -> Callable[[], Any]:
+def build(role: str, k: int, compiled: bool, warm: bool = False) -> Callable[[], Any]:
     import keras
     import numpy as np
     import tensorflow as tf
@@ -82,18 +83,30 @@ def build(role: str, k: int, compiled: bool) -> Callable[[], Any]:
             w.assign(s)
         return run()
 
-    if compiled:
+    if compiled and warm:
+        measured()  # the second call is measured
+    elif compiled:
         run.get_concrete_function()  # traced, not run: no memory reused from a run before
     return measured
 
 
-def one(role: str, k: int, compiled: bool) -> Dict[str, float]:
+def one(role: str, k: int, compiled: bool, warm: bool = False) -> Dict[str, float]:
     from benchmarks.memory import _peak_and_retained
 
-    step = build(role, k, compiled)
+    step = build(role, k, compiled, warm)
+    allocator = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC") == "true"
+    if allocator:
+        import tensorflow as tf
+
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        held = tf.config.experimental.get_memory_info("CPU:0")["current"]
     t0 = time.perf_counter()
     got = _peak_and_retained(step)
     got["seconds"] = time.perf_counter() - t0
+    if allocator:
+        # The tensors' own peak, as TensorFlow's allocator counts it: unlike
+        # the resident set, not hidden by memory an earlier call left for reuse.
+        got["tensor_peak_mib"] = (tf.config.experimental.get_memory_info("CPU:0")["peak"] - held) / 2**20
     return got
 
 
@@ -102,20 +115,28 @@ def main() -> None:
     parser.add_argument("--ks", default="10,100,1000")
     parser.add_argument("--roles", default="plain,checkpointed,unroll")
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--warm", action="store_true", help="compiled: measure the second call")
+    parser.add_argument(
+        "--tensors", action="store_true", help="also TensorFlow's allocator peak (TF_CPU_ALLOCATOR_USE_BFC=true)"
+    )
     parser.add_argument("--one", nargs=2, metavar=("ROLE", "K"))
     args = parser.parse_args()
+    if args.tensors:
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # (before TensorFlow is imported; the children inherit it)
     if args.one:
-        print(json.dumps(one(args.one[0], int(args.one[1]), args.compiled)))
+        print(json.dumps(one(args.one[0], int(args.one[1]), args.compiled, args.warm)))
         return
     for k in map(int, args.ks.split(",")):
         for role in args.roles.split(","):
             cmd = [sys.executable, "-m", "benchmarks.unroll", "--one", role, str(k)]
-            out = subprocess.run(cmd + (["--compiled"] if args.compiled else []), capture_output=True, text=True)
+            cmd += (["--compiled"] if args.compiled else []) + (["--warm"] if args.warm else [])
+            out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode:
                 print(f"K={k:5d} {role:13s} failed: {out.stderr.strip().splitlines()[-1:]}")
                 continue
             m = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"K={k:5d} {role:13s} peak {m['peak_mib']:9.1f} MiB  time {m['seconds']:8.2f} s", flush=True)
+            tensors = f"  tensors {m['tensor_peak_mib']:9.1f} MiB" if "tensor_peak_mib" in m else ""
+            print(f"K={k:5d} {role:13s} peak {m['peak_mib']:9.1f} MiB{tensors}  time {m['seconds']:8.2f} s", flush=True)
 
 
 if __name__ == "__main__":

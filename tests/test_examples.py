@@ -25,16 +25,18 @@ def _assert_png(path):
 # -- maml_sine -----------------------------------------------------------------------
 
 
+def _mlp(params, x):
+    """maml_sine's 1-40-40-1 ReLU model on the weights as tensors."""
+    h = tf.nn.relu(x @ params[0] + params[1])
+    h = tf.nn.relu(h @ params[2] + params[3])
+    return h @ params[4] + params[5]
+
+
 def _functional_maml(weights, step_sizes, batch):
     """MAML written with the weights as tensors: no variables, no writes."""
     xs, ys, xq, yq = (tf.constant(a) for a in batch)
     theta = [tf.constant(w) for w in weights]
     alphas = [tf.constant(a) for a in step_sizes]
-
-    def mlp(params, x):
-        h = tf.nn.relu(x @ params[0] + params[1])
-        h = tf.nn.relu(h @ params[2] + params[3])
-        return h @ params[4] + params[5]
 
     with tf.GradientTape() as outer:
         outer.watch(theta + alphas)
@@ -42,10 +44,10 @@ def _functional_maml(weights, step_sizes, batch):
         for t in range(xs.shape[0]):
             with tf.GradientTape() as inner:
                 inner.watch(theta)
-                support = tf.reduce_mean((mlp(theta, xs[t]) - ys[t]) ** 2)
+                support = tf.reduce_mean((_mlp(theta, xs[t]) - ys[t]) ** 2)
             grads = inner.gradient(support, theta)
             adapted = [p - a * g for p, a, g in zip(theta, alphas, grads)]
-            losses.append(tf.reduce_mean((mlp(adapted, xq[t]) - yq[t]) ** 2))
+            losses.append(tf.reduce_mean((_mlp(adapted, xq[t]) - yq[t]) ** 2))
         meta_loss = tf.add_n(losses) / len(losses)
     return meta_loss, outer.gradient(meta_loss, theta + alphas)
 
@@ -124,6 +126,36 @@ def test_maml_sine_small_run(tmp_path):
     _assert_png(results["plot"])
     text = maml_sine.report(results)
     assert "MAML after 1 step" in text and "Meta-SGD after 1 step" in text
+
+
+def test_maml_long_unroll_meta_gradient_equals_the_rewrite(capsys):
+    """``--inner-steps 6 --unroll``: the first task's meta-gradient through 6
+    inner SGD steps taken under ``unroll`` (segments of 3) against the
+    assignment-free rewrite: the weights as tensors, theta <- theta - lr g,
+    under a plain tape; and the plain loop's, the example's other figure."""
+    results = maml_sine.main(["--inner-steps", "6", "--unroll", "--meta-steps", "2", "--quiet"])
+    config = maml_sine.UnrollConfig()
+    assert results["config"]["inner_steps"] == 6 and len(results["train_loss"]) == 2
+    model = maml_sine.build_model(config.seed)  # (the example builds its model so, before training)
+    task = [a[0] for a in maml_sine.SineTasks(config.seed + 1).meta_batch(1, config.shots)]
+    xs, ys, xq, yq = (tf.constant(a) for a in task)
+    theta = [tf.constant(w.numpy()) for w in model.trainable_variables]
+
+    with tf.GradientTape() as outer:
+        outer.watch(theta)
+        params = theta
+        for _ in range(6):
+            with tf.GradientTape() as inner:
+                inner.watch(params)
+                support = tf.reduce_mean((_mlp(params, xs) - ys) ** 2)
+            params = [p - config.inner_lr * g for p, g in zip(params, inner.gradient(support, params))]
+        query = tf.reduce_mean((_mlp(params, xq) - yq) ** 2)
+    expected = outer.gradient(query, theta)
+    for how in ("unroll", "plain"):
+        for got, want in zip(results["first_gradients"][how], expected):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-6)
+    assert results["max_relative_difference"] < 1e-6
+    assert "peak resident memory" in capsys.readouterr().out
 
 
 def test_maml_report_says_diverged_and_no_target():

@@ -398,12 +398,27 @@ class _Injector:
         return self.line if self.functions is None or code.co_name in self.functions else None
 
     def line(self, frame, event, arg):
-        if event == "line" and self.armed and not self.fired:
+        if event == "line" and self.armed and not self.fired and not self._in_descriptor(frame):
             self.count += 1
             if self.count == self.n:
                 self.fired = True
                 raise _Injected(f"{frame.f_code.co_filename}:{frame.f_lineno}")
         return self.line
+
+
+def _descriptor_frame(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__get__" and frame.f_code.co_filename.endswith("_serving.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_Injector.outside_descriptor = False
+# Where a real interrupt cannot land: inside the handle descriptor, which
+# TensorFlow's C++ code calls, signal handlers are kept from raising
+# (``_signals``). A sweep through a step's reads and writes skips those lines.
+_Injector._in_descriptor = lambda self, frame: self.outside_descriptor and _descriptor_frame(frame)
 
 
 class _Armed:
@@ -560,6 +575,38 @@ def _plain_beside(inj, which, a, w):
     return y
 
 
+def _armed_call(inj, armed, call):
+    """``call()``, with the injector armed if ``armed``."""
+    inj.armed += 1 if armed else 0
+    try:
+        return call()
+    finally:
+        inj.armed -= 1 if armed else 0
+
+
+def _checkpointed(inj, which, a, w):
+    """A ``checkpointed`` segment: its first run (``call``: the whole call)
+    and the step's re-run in the backward pass (``rerun``: the step itself,
+    under the re-run's tape; the whole backward pass runs past the sweep's
+    2,000 lines)."""
+    from assigntape import AssignAwareTape, checkpointed
+
+    phases = which.get("segment", ())
+    runs = []
+
+    def fn(x):
+        runs.append(x)
+        return _armed_call(inj, "rerun" in phases and len(runs) == 2, lambda: w.assign(x * w + 1.0))
+
+    step = checkpointed(fn)
+    inj.outside_descriptor = True
+    with AssignAwareTape() as tape:
+        w.assign(3.0 * a)
+        _armed_call(inj, "call" in phases, lambda: step(a))
+        y = w * w
+    return tape.gradient(y, a)
+
+
 def _traced(step):
     """``step`` inside a ``tf.function`` trace (a new function each run, so
     that every run traces)."""
@@ -584,6 +631,7 @@ _STEPS = {
     "accumulator_plain_inside": _accumulator_plain_inside,
     "accumulator_plain_around": _accumulator_plain_around,
     "plain_beside": _plain_beside,
+    "checkpointed": _checkpointed,
     "traced_plain_around": _traced(_plain_around),
     "traced_tf_accumulator_inside": _traced(_tf_accumulator_inside),
     "traced_accumulator": _traced(_accumulator),
@@ -609,6 +657,8 @@ _SWEEPS = [
     ("accumulator_plain_inside", {"acc": ("enter", "exit"), "inner": ("enter", "exit")}),
     ("accumulator_plain_around", {"outer": ("enter", "exit"), "acc": ("enter", "exit")}),
     ("plain_beside", {"first": ("enter", "exit"), "acc": ("enter", "exit")}),
+    ("checkpointed", {"segment": ("call",)}),
+    ("checkpointed", {"segment": ("rerun",)}),
     ("traced_plain_around", {"outer": ("enter", "exit"), "tape": ("enter", "exit")}),
     ("traced_tf_accumulator_inside", {"acc": ("enter", "exit"), "tape": ("exit",)}),
     ("traced_accumulator", {"acc": ("enter", "exit")}),

@@ -109,3 +109,15 @@ def test_jacobian_without_pfor_through_a_segment_equals_the_loop():
 
     expected = jac(loop)
     np.testing.assert_allclose(jac(lambda step: unroll(step, 3, checkpoint_every=2)), expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "given", [{"steps": True}, {"steps": 3, "checkpoint_every": True}, {"steps": 3, "truncate": False}]
+)
+def test_a_bool_is_not_a_number_of_steps(given):
+    """(A bool is an int to Python: unroll(fn, True) would run one step.)"""
+    w = tf.Variable(1.0)
+    with AssignAwareTape():
+        with pytest.raises(TypeError, match="bool"):
+            unroll(lambda: w.assign_add(1.0), **given)
+    assert float(w) == 1.0
