@@ -121,3 +121,28 @@ def test_a_bool_is_not_a_number_of_steps(given):
         with pytest.raises(TypeError, match="bool"):
             unroll(lambda: w.assign_add(1.0), **given)
     assert float(w) == 1.0
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_written_value_that_overflows_to_infinity_is_not_taken_for_a_differing_rerun(every: int) -> None:
+    # The re-run check compares fingerprints of the written values; inf - inf
+    # is NaN, so a value that overflowed in both runs must count as the same
+    # (the thorough profile found it: a complex128 sin(2z) iterated).
+    # Oracle: the loop without unroll; d loss/d s = 2 (loss = 2 s).
+    def run(wrapped: bool) -> tuple:
+        v = tf.Variable(30.0)
+        s = tf.Variable(1.0)
+        with AssignAwareTape() as tape:
+
+            def step() -> tf.Tensor:
+                v.assign(tf.exp(v) * s)  # exp(30) ~ 1e13, then inf
+                return s * 2.0
+
+            if wrapped:
+                y = unroll(step, 3, checkpoint_every=every)
+            else:
+                for _ in range(3):
+                    y = step()
+        return float(y), float(tape.gradient(y, s)), float(v.numpy())
+
+    assert run(True) == run(False) == (2.0, 2.0, float("inf"))
