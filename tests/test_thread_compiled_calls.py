@@ -423,13 +423,17 @@ def test_a_function_reading_its_variable_argument_is_cached_for_every_variable()
     assert len(reads._list_all_concrete_functions()) == 1  # one function for both variables
 
 
-def test_a_function_writing_its_argument_is_seen_writing_each_variable_passed() -> None:
+@pytest.mark.parametrize("through", ["assign", "an identity of its handle"])
+def test_a_function_writing_its_argument_is_seen_writing_each_variable_passed(through: str) -> None:
     held = _Held()
 
     @tf.function
     def writes(var: Any) -> Any:
         with tf.control_dependencies([held.pauses.in_graph(tf.constant(0.0, tf.float64))]):
-            return var.assign(var * 2.0)
+            if through == "assign":
+                return var.assign(var * 2.0)
+            tf.raw_ops.AssignVariableOp(resource=tf.identity(var.handle), value=var * 2.0)
+            return tf.constant(0.0)
 
     for var in (held.w, held.v, held.w, held.v):
         if var is held.v:
