@@ -67,7 +67,7 @@ def leased(call: Hook, writes_of: Callable[[Any, List[Any]], List[Any]], passed:
     graph calling it is noted as holding them too. ``writes_of(function,
     handles)``: the writes of a function's graph given its inputs
     (``_functions.function_writes``); ``passed()``: those of the datasets
-    and iterators given to the call running now (``_datasets.passed_writes``)."""
+    and iterators given to the call running now (``_datasets.given_writes``)."""
 
     def hook(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         held = _registry.tape_graphs.get(instance._func_graph)

@@ -26,11 +26,11 @@ from assigntape._tf import composite_tensor, dataset_ops, dtypes, executing_eage
 
 __all__ = [
     "function_call",
+    "given_writes",
     "graph_iterator",
     "graph_next_element",
     "multi_device_iterator",
     "next_element",
-    "passed_writes",
     "reduce_dataset",
     "save_dataset",
     "single_element",
@@ -273,7 +273,7 @@ _calls = threading.local()
 Passed = Tuple[bool, Any, List[_functions.Write]]
 
 
-def passed_writes() -> List[_functions.Write]:
+def given_writes() -> List[_functions.Write]:
     """The writes of the datasets and iterators given to the ``tf.function``
     call running now in this thread (``function_call``): the call's, not its
     graph's (one concrete function serves every dataset of an element spec)."""

@@ -157,9 +157,11 @@ def _passes_last(op: Any, callee: Any, arg_name: str, position: Dict[int, int], 
     return False
 
 
+# Ops whose outputs are their inputs (a handle among them names the same resource).
+_PASSES_HANDLES = frozenset({"Identity", "IdentityN"})
+
 # Ops that are common in function graphs and never call functions: skipping them
 # saves parsing their attributes.
-_PASSES_HANDLES = frozenset({"Identity", "IdentityN"})
 _PLAIN_OPS = frozenset({"Placeholder", "Const", "Identity", "NoOp", "ReadVariableOp", "MatMul", "Mul", "AddV2", "Sub"})
 _graph_writes_cache: "weakref.WeakKeyDictionary[Any, Dict[int, str]]" = weakref.WeakKeyDictionary()
 _function_writes: "weakref.WeakKeyDictionary[Any, Dict[int, str]]" = weakref.WeakKeyDictionary()
