@@ -17,8 +17,10 @@ The other way round: a function that writes, called in another thread before
 such a call, may write while it runs; its call checked the holds when it
 started. So, while any graph is noted, a call of a function that writes
 notes its variables for the call (``_writing``), and a call that holds one of
-them meanwhile is refused before it runs. A function found to write nothing
-is remembered (``_writes_nothing``): its later calls cost a set lookup.
+them meanwhile is refused before it runs. A function whose graph was found to
+write nothing is remembered (``_writes_nothing``): its later calls cost a set
+lookup, unless the call is given a dataset or iterator whose functions write
+(they are the call's writes, not the graph's).
 """
 
 from __future__ import annotations
@@ -57,21 +59,25 @@ class CallScope(Scope):
                 self.owners[id(canonical_handle(var))] = var
 
 
-def leased(call: Hook, writes_of: Callable[[Any, List[Any]], List[Any]]) -> Hook:
+def leased(call: Hook, writes_of: Callable[[Any, List[Any]], List[Any]], passed: Callable[[], List[Any]]) -> Hook:
     """The hook of ``ConcreteFunction._call_flat``: ``call`` (the hook of
     ``_functions``), run, for a graph in which a tape was open, with the
     variables that tape saw held by this thread (a ``CallScope``, listed for
     the call and unlisted however it ends). In a graph being traced, the
     graph calling it is noted as holding them too. ``writes_of(function,
-    handles)``: the writes of a function given its inputs
-    (``_functions.function_writes``)."""
+    handles)``: the writes of a function's graph given its inputs
+    (``_functions.function_writes``); ``passed()``: those of the datasets
+    and iterators given to the call running now (``_datasets.given_writes``)."""
 
     def hook(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         held = _registry.tape_graphs.get(instance._func_graph)
         if held is None:
-            if not _registry.tape_graphs or instance in _writes_nothing or not executing_eagerly():
+            if not _registry.tape_graphs or not executing_eagerly():
                 return call(wrapped, instance, args, kwargs)
-            return _writing(call, writes_of, wrapped, instance, args, kwargs)
+            given = passed()
+            if instance in _writes_nothing and not given:
+                return call(wrapped, instance, args, kwargs)
+            return _writing(call, writes_of, given, wrapped, instance, args, kwargs)
         if not executing_eagerly():
             _registry.note_calls_in(ops.get_default_graph(), held)
             return call(wrapped, instance, args, kwargs)
@@ -98,7 +104,8 @@ def leased(call: Hook, writes_of: Callable[[Any, List[Any]], List[Any]]) -> Hook
 # runs without showing them, and a called function's graph is built, no longer
 # traced). Their calls skip ``_writing`` (binding the arguments and a lookup
 # per written handle), which every eager call of every function paid while
-# any tape's graph is noted. Weak: a function that goes takes its entry along.
+# any tape's graph is noted, unless given a dataset or iterator that writes.
+# Weak: a function that goes takes its entry along.
 _writes_nothing: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
@@ -111,21 +118,25 @@ _running: Dict[object, Tuple[int, Dict[str, str], str]] = {}
 def _writing(
     call: Hook,
     writes_of: Callable[[Any, List[Any]], List[Any]],
+    given: List[Any],
     wrapped: Callable[..., Any],
     instance: Any,
     args: Any,
     kwargs: Any,
 ) -> Any:
-    """``call``, noted in ``_running`` for the call if the function writes."""
+    """``call``, noted in ``_running`` for the call if the function writes
+    (its graph, or the datasets and iterators it is ``given``)."""
     arguments = bind(("tensor_inputs", "captured_inputs"), args, kwargs)
     handles = list(arguments["tensor_inputs"]) + list(arguments["captured_inputs"])
     writes = writes_of(instance, handles)
     if not writes:
         _never_writes(instance)
-        return call(wrapped, instance, args, kwargs)
+        if not given:
+            return call(wrapped, instance, args, kwargs)
     written: Dict[str, str] = {}
-    for handle, _, _ in writes:
-        var = variable_of_handle(handle)
+    for handle, _, _ in writes + given:
+        # (A dataset known only by its variant names no variable: None.)
+        var = None if handle is None else variable_of_handle(handle)
         if var is not None and differentiable(var):
             written[var._unique_id] = var.name
     if not written:

@@ -278,6 +278,10 @@ _TRACE_FIRST = (
     "opening it (traced outside the accumulator, it is differentiated right)"
 )
 
+_READING_LOOP = "Forward mode through a compiled graph loop (tf.while_loop, a for over tf.range) with a tape open"
+_UNROLL = "Unroll the loop in Python (range instead of tf.range)"
+_LOOP_INSTEAD = f"{_UNROLL}{_TRACE_FIRST}, or take the gradient in reverse mode."
+
 
 def _accumulator_recording() -> bool:
     """Whether a forward accumulator (TensorFlow's or ours) records in this thread."""
@@ -341,9 +345,7 @@ def _refuse_forward_mode_failure(error: Exception, written: List[Any], what: str
         return
     names = ", ".join(sorted({repr(v.name) for v in written})) or "variables"
     remedy = (
-        "Unroll the loop in Python (range instead of tf.range)"
-        if what == "graph loop"
-        else "Branch in Python, or use assigntape.ForwardAccumulator alone"
+        _UNROLL if what == "graph loop" else "Branch in Python, or use assigntape.ForwardAccumulator alone"
     ) + _TRACE_FIRST
     raise ControlFlowWriteError(
         f"Forward mode through a {what} that writes {names}: TensorFlow's own forward mode "
@@ -377,7 +379,10 @@ def _carrying(
             finally:
                 _branches.close_branch(body)
 
-        result = wrapped(**dict(arguments, body=watched_body))
+        # (A loop that writes nothing: TensorFlow's forward mode through its
+        # gradient fails beside a reverse tape, plain TensorFlow too.)
+        with refusing_forward_mode_failures(_READING_LOOP, _LOOP_INSTEAD):
+            result = wrapped(**dict(arguments, body=watched_body))
         _note_recorders(result, bodies)
         return result
     uids = [v._unique_id for v in carried]

@@ -11,10 +11,11 @@ branch's or body's gradient built.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 from assigntape import _graph_gradients, _recorders, _registry
 from assigntape._errors import ControlFlowWriteError
@@ -383,28 +384,36 @@ def made_from(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any
     # Only for an op first differentiated while a tape of ours is open (then
     # every later gradient of it too): outside every tape, TensorFlow's own
     # behaviour, its failures included (e.g. XLA's on a jvp through a cond).
-    if op not in _made_from_original:
+    noted = _made_from_original.get(op)
+    if noted is None:
         if not _registry.any_scopes():
             return wrapped(*args, **kwargs)
-        _made_from_original[op] = True
-    if _accumulating():
-        _outputs_recorded.setdefault(op, len(op.outputs))
+        noted = _made_from_original[op] = _MadeFrom()
+    if _accumulating() and noted.outputs is None:
+        noted.outputs = len(op.outputs)
     return original
 
 
-# The cond, case and loop ops whose gradients ``made_from`` gave their own graphs.
-_made_from_original: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+@dataclasses.dataclass
+class _MadeFrom:
+    """What is known of a cond, case or loop whose gradients ``made_from``
+    gives their own graphs (it holds no reference to the op, its key)."""
 
-# Per cond, case or loop an accumulator differentiated as it was made
-# (``made_from``): how many outputs it had then, which got tangents, and
-# which the tapes recording it then recorded. A gradient built later makes
-# the op output more (its intermediates), which have neither.
-_outputs_recorded: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+    # If an accumulator differentiated the op as it was made: how many outputs
+    # it had then, which got tangents, and which the tapes recording it then
+    # recorded. A gradient built later makes the op output more (its
+    # intermediates), which have neither.
+    outputs: Optional[int] = None
+    # Once such an op's gradient was built again later (a tape's,
+    # tf.gradients): the ids of the ops that read those outputs before, the
+    # jvp's own gradient (which computes the op's tangents, from the outputs
+    # it made for itself).
+    read_by_the_jvp: Optional[Set[int]] = None
 
-# Per such op whose gradient was built again later (a tape's, tf.gradients):
-# the ids of the ops that read those outputs before, the jvp's own gradient
-# (which computes the op's tangents, from the outputs it made for itself).
-_read_by_the_jvp: "weakref.WeakKeyDictionary[Any, Set[int]]" = weakref.WeakKeyDictionary()
+
+# The cond, case and loop ops whose gradients ``made_from`` gave their own
+# graphs, and what is known of each.
+_made_from_original: "weakref.WeakKeyDictionary[Any, _MadeFrom]" = weakref.WeakKeyDictionary()
 
 # The attribute TensorFlow keeps a branch or body graph in once the op is made.
 _KEPT = {"If": "_true_graph", "StatelessIf": "_true_graph", "While": "_body_graph", "StatelessWhile": "_body_graph"}
@@ -414,20 +423,20 @@ def _note_later_gradient(op: Any) -> None:
     """A gradient of ``op`` (a cond, case or loop) is being built: one built
     after the op was made (it keeps its graphs), of an op an accumulator
     differentiated as it was made, notes which ops read its added outputs
-    until now (``_read_by_the_jvp``)."""
-    count = _outputs_recorded.get(op) if op is not None else None
-    if count is None or op in _read_by_the_jvp:
+    until now (``_MadeFrom.read_by_the_jvp``)."""
+    noted = _made_from_original.get(op) if op is not None else None
+    if noted is None or noted.outputs is None or noted.read_by_the_jvp is not None:
         return
     if getattr(op, _KEPT.get(op.type, "_branch_graph_0"), None) is None:
         return  # the accumulator's own, as the op is made
-    _read_by_the_jvp[op] = {id(c) for t in op.outputs[count:] for c in t.consumers()}
+    noted.read_by_the_jvp = {id(c) for t in op.outputs[noted.outputs :] for c in t.consumers()}
 
 
 def refuse_lacking(tensors: Any, asked: str) -> None:
     """``asked`` (``"jvp"``: ``ForwardAccumulator.jvp``; else a tape's
     gradient) of ``tensors`` in a graph: refused if they are computed from an
     output that a cond, case or loop made under an accumulator got after the
-    recorders recorded it (``_outputs_recorded``).
+    recorders recorded it (``_MadeFrom.outputs``).
 
     Only a gradient of the op reads those outputs. Forward over reverse (the
     jvp of a reverse gradient through the op: a Hessian-vector product) would
@@ -435,29 +444,29 @@ def refuse_lacking(tensors: Any, asked: str) -> None:
     whose own gradient of the op reads them) their cotangents: silently wrong
     or None (plain TensorFlow fails). What is computed from the op's first
     outputs is right: its jvp, and a reverse gradient through it."""
-    if not _outputs_recorded:
+    if not _made_from_original:
         return
     by_graph: Dict[Any, List[Any]] = {}
     for t in nest.flatten(tensors):
         if hasattr(t, "op") and hasattr(t, "graph"):
             by_graph.setdefault(t.graph, []).append(t)
     for graph, flat in by_graph.items():
+        # The ops an accumulator differentiated as they were made, in this graph.
+        noted = [(op, n) for op, n in list(_made_from_original.items()) if op.graph is graph and n.outputs is not None]
         if asked == "jvp":
             # What the readers a later gradient made compute: the jvp's own
             # gradient reads them too, for tangents that are complete.
             added = {
                 id(out)
-                for op, before in list(_read_by_the_jvp.items())
-                if op.graph is graph
-                for t in op.outputs[_outputs_recorded[op] :]
+                for op, n in noted
+                if n.read_by_the_jvp is not None
+                for t in op.outputs[n.outputs :]
                 for reader in t.consumers()
-                if id(reader) not in before
+                if id(reader) not in n.read_by_the_jvp
                 for out in reader.outputs
             }
         else:
-            added = {
-                id(t) for op, count in list(_outputs_recorded.items()) if op.graph is graph for t in op.outputs[count:]
-            }
+            added = {id(t) for op, n in noted for t in op.outputs[n.outputs :]}
         if not added or not _graph_gradients._reaches(flat, added):
             continue
         if asked == "jvp":

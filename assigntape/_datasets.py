@@ -26,6 +26,7 @@ from assigntape._tf import composite_tensor, dataset_ops, dtypes, executing_eage
 
 __all__ = [
     "function_call",
+    "given_writes",
     "graph_iterator",
     "graph_next_element",
     "multi_device_iterator",
@@ -270,6 +271,14 @@ def graph_next_element(wrapped: Callable[..., Any], instance: Any, args: Any, kw
 # each is an iterator, its element spec, and the writes.
 _calls = threading.local()
 Passed = Tuple[bool, Any, List[_functions.Write]]
+
+
+def given_writes() -> List[_functions.Write]:
+    """The writes of the datasets and iterators given to the ``tf.function``
+    call running now in this thread (``function_call``): the call's, not its
+    graph's (one concrete function serves every dataset of an element spec)."""
+    stack = getattr(_calls, "stack", None)
+    return [w for _, _, writes in stack[-1] for w in writes] if stack else []
 
 
 def _passed_writes(component: Any, spec: Any, iterator: bool) -> List[_functions.Write]:

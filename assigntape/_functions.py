@@ -96,6 +96,12 @@ def _graph_writes(graph: Any) -> Dict[int, str]:
     position = {id(t): i for i, t in enumerate(graph.inputs)}
     written: Dict[int, str] = {}
     for op in graph.get_operations():
+        if op.type in _PASSES_HANDLES:
+            # A handle passed on stands for its input: what writes it writes that.
+            for t, out in zip(op.inputs, op.outputs):
+                if id(t) in position and t.dtype == dtypes.resource:
+                    position[id(out)] = position[id(t)]
+            continue
         if _writes_anything(op.type):
             for t in op.inputs:
                 # (Only a resource is written: the written value may be an input too.)
@@ -150,6 +156,9 @@ def _passes_last(op: Any, callee: Any, arg_name: str, position: Dict[int, int], 
         start += count
     return False
 
+
+# Ops whose outputs are their inputs (a handle among them names the same resource).
+_PASSES_HANDLES = frozenset({"Identity", "IdentityN"})
 
 # Ops that are common in function graphs and never call functions: skipping them
 # saves parsing their attributes.

@@ -453,7 +453,7 @@ def _maker(owner: Any, function: Callable[..., Any]) -> Callable[[Any], Any]:
     )
     active = function if plain else _dormant(function)
     if function in _LEASED:
-        active = _compiled_tapes.leased(active, _functions.function_writes)
+        active = _compiled_tapes.leased(active, _functions.function_writes, _datasets.given_writes)
     return lambda below: patch(owner, below, active, _PASSES.get(function))
 
 

@@ -155,7 +155,10 @@ class Segment:
             return grads
         asserts, same = check
         # The gradients' graph run fails where the re-run differs; under XLA,
-        # which drops assertions, every element of every gradient is NaN.
+        # which drops assertions, every element of every gradient is NaN. In
+        # every graph: whether XLA will compile it cannot be told here (a
+        # function traced without XLA, its trace cached, is compiled by an
+        # outer jit_compile function that calls it later; TF 2.16 and 2.21).
         with ops.control_dependencies(asserts), record.stop_recording():
             return [None if g is None else _nan_unless(same, g) for g in grads]
 

@@ -4,6 +4,8 @@
 * ``central_difference``: directional finite differences in float64.
 * ``assert_grads_close``: gradient structures compared leaf by leaf, with
   ``None`` only where the oracle has ``None``.
+* ``inner_sgd_gradient``: the rewrite of inner SGD steps (MAML) on tensors,
+  under plain tapes.
 """
 
 from __future__ import annotations
@@ -72,3 +74,24 @@ def finite_difference_grad(
             g[idx] = central_difference(f, point, d, eps)
         grads.append(g)
     return grads
+
+
+def inner_sgd_gradient(
+    start: Any, steps: int, lr: float, inner_loss: Callable[[Any], Any], outer_loss: Callable[[Any], Any]
+) -> Any:
+    """The assignment-free rewrite of ``steps`` inner SGD steps (``params <-
+    params - lr * d inner_loss(params) / d params``) from ``start`` (a tensor
+    or a nest of them), each under its own plain tape, all under an outer
+    one: the gradient of ``outer_loss`` of the final params with respect to
+    ``start``."""
+    with tf.GradientTape() as outer:
+        outer.watch(start)
+        params = start
+        for _ in range(steps):
+            with tf.GradientTape() as inner:
+                inner.watch(params)
+                loss = inner_loss(params)
+            grads = inner.gradient(loss, params)
+            params = tf.nest.map_structure(lambda p, g: p - lr * g, params, grads)
+        final = outer_loss(params)
+    return outer.gradient(final, start)

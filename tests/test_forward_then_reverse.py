@@ -229,3 +229,78 @@ def test_forward_mode_through_a_switch_case_that_reads_is_refused(accumulator: A
     # attribute naming functions, cannot key the traced jvp): a TypeError.
     with pytest.raises(ControlFlowWriteError, match="tf.switch_case"):
         _run("switch_case", "read", "tape.gradient", accumulator)
+
+
+def _read_only_loop(v: Any, x: Any, how: str) -> Any:
+    """A write of ``v``, then a loop that only reads it, then a read after
+    the loop: the body reads the variable (``"variable"``), the value read
+    once before the loop (``"read before"``), or the variable in a loop
+    unrolled in Python (``"unrolled"``); on tensors (``"rewrite"``) the
+    assignment-free rewrite."""
+    if how == "rewrite":
+        v = v * x
+    else:
+        v.assign(v * x)
+    value = v * 1.0 if how == "read before" else v
+    x_value = x * 1.0  # (x, watched, read in a graph loop's body is refused too)
+
+    def body(i: Any, total: Any) -> Any:
+        return i + 1, total + tf.reduce_sum(tf.sin(value) * x_value)
+
+    state = (tf.constant(0), tf.constant(0.0, tf.float64))
+    if how == "unrolled":
+        for _ in range(2):
+            state = body(*state)
+    else:
+        state = tf.while_loop(lambda i, total: i < 2, body, state)
+    return state[1] + tf.reduce_sum(v * v)
+
+
+@pytest.mark.parametrize("accumulator", ACCUMULATORS)
+@pytest.mark.parametrize("how", ["eager", "compiled", "compiled, read before", "compiled, unrolled"])
+def test_jvp_of_the_gradient_through_a_loop_that_only_reads(accumulator: Any, how: str) -> None:
+    """Forward over reverse (a Hessian-vector product) through a loop that
+    reads a variable written before it and writes nothing. Compiled,
+    TensorFlow's forward mode does not carry the tangent of a variable a
+    graph loop's body captures: refused while tracing, naming it
+    (known-limits). Read once before the loop, TensorFlow's forward mode
+    through the loop's gradient beside the tape fails (plain TensorFlow too,
+    no variable: its TypeError, "<dtype: 'variant'> is not compatible", came
+    through bare): refused. Unrolled in Python (the remedy), right."""
+    v = tf.Variable(V0, dtype=tf.float64, name="v_written")
+    x = tf.Variable(X0, dtype=tf.float64)
+    tangent = tf.constant(TAN, tf.float64)
+    program = {"compiled": "variable", "compiled, read before": "read before", "compiled, unrolled": "unrolled"}
+
+    def f() -> Any:
+        v.assign(V0)
+        with accumulator(x, tangent) as acc:
+            with AssignAwareTape() as tape:
+                y = _read_only_loop(v, x, program.get(how, "variable"))
+                g = tape.gradient(y, x)
+            hvp = acc.jvp(g)
+        return g, hvp, acc.jvp(y)
+
+    if how == "compiled":
+        with pytest.raises(ControlFlowWriteError, match="graph loop that reads variable 'v_written"):
+            tf.function(f)()
+        return
+    if how == "compiled, read before":
+        with pytest.raises(ControlFlowWriteError, match="(?s)compiled graph loop.*Unroll the loop in Python"):
+            tf.function(f)()
+        return
+    # The oracle: the program on tensors, eagerly, under TensorFlow's
+    # accumulator and a plain tape.
+    x0 = tf.constant(X0, tf.float64)
+    with tf.autodiff.ForwardAccumulator(x0, tangent) as acc:
+        with tf.GradientTape() as tape:
+            tape.watch(x0)
+            y = _read_only_loop(tf.constant(V0, tf.float64), x0, "rewrite")
+            want_g = tape.gradient(y, x0)
+        want_hvp = acc.jvp(want_g)
+    want_j = acc.jvp(y)
+
+    g, hvp, j = (f if how == "eager" else tf.function(f))()
+    np.testing.assert_allclose(g.numpy(), want_g.numpy(), rtol=1e-10)
+    np.testing.assert_allclose(hvp.numpy(), want_hvp.numpy(), rtol=1e-10)
+    np.testing.assert_allclose(float(j), float(want_j), rtol=1e-10)

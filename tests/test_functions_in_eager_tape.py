@@ -80,7 +80,8 @@ def test_function_that_writes_a_tracked_variable_is_refused():
 
 
 def _nested_writers(v):
-    """Functions that write ``v`` only through what they call."""
+    """Functions that write ``v`` only through what they call (or through
+    an identity of its handle)."""
 
     @tf.function
     def inner():
@@ -108,7 +109,14 @@ def _nested_writers(v):
             v.assign_add(tf.ones([2]))
         return tf.reduce_sum(v)
 
+    @tf.function
+    def writes_through_an_identity():
+        # (Its handle passed on, then written by a raw op: was not seen.)
+        tf.raw_ops.AssignVariableOp(resource=tf.identity(v.handle), value=v + 1.0)
+        return tf.reduce_sum(v)
+
     return {
+        "writes_through_an_identity": lambda: writes_through_an_identity(),
         "calls_a_function": lambda: calls_a_function(),
         "calls_it_two_deep": lambda: calls_it_two_deep(),
         "writes_in_a_cond": lambda: writes_in_a_cond(tf.constant(1)),
@@ -116,7 +124,10 @@ def _nested_writers(v):
     }
 
 
-@pytest.mark.parametrize("name", ["calls_a_function", "calls_it_two_deep", "writes_in_a_cond", "writes_in_a_loop"])
+@pytest.mark.parametrize(
+    "name",
+    ["writes_through_an_identity", "calls_a_function", "calls_it_two_deep", "writes_in_a_cond", "writes_in_a_loop"],
+)
 def test_writes_nested_in_called_functions_are_refused(name):
     v, a = tf.Variable([1.0, 2.0], name="nested_write"), tf.Variable(2.0)
     call = _nested_writers(v)[name]

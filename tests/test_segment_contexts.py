@@ -162,12 +162,15 @@ def test_random_ops_are_still_refused(mode, op):
         run(mode, body)
 
 
+@pytest.mark.parametrize("compiled", ["jit_compile", "by_an_outer_jit_compile"])
 @pytest.mark.parametrize("differs", [True, False])
-def test_rerun_computing_another_value_under_xla_gives_nan_gradients(differs):
+def test_rerun_computing_another_value_under_xla_gives_nan_gradients(differs, compiled):
     """XLA drops assertions: where the re-run computes another value (a
     Python counter read at trace time), every element of every gradient
     through the segment is NaN instead (f01). The run's own gradient would be
-    d(w - lr*1*w)/dlr = -w0 = -2 and the re-run's -4: neither is given."""
+    d(w - lr*1*w)/dlr = -w0 = -2 and the re-run's -4: neither is given. Also
+    for a function traced without XLA, then called (its trace reused) by a
+    ``jit_compile`` function: nothing in its trace knew it (were -4, 0.8)."""
     w, lr = tf.Variable(2.0), tf.Variable(0.1)
     calls = []
 
@@ -175,13 +178,17 @@ def test_rerun_computing_another_value_under_xla_gives_nan_gradients(differs):
         calls.append(1)
         w.assign_sub(lr * float(len(calls) if differs else 1) * w)
 
-    @tf.function(jit_compile=True)
+    @tf.function(jit_compile=compiled == "jit_compile")
     def program():
         with AssignAwareTape() as tape:
             checkpointed(step)()
             y = w * 1.0
         return y, tape.gradient(y, [lr, w])
 
+    if compiled == "by_an_outer_jit_compile":
+        inner = program
+        inner.get_concrete_function()  # traced without XLA
+        program = tf.function(lambda: inner(), jit_compile=True)
     y, (d_lr, d_w) = program()
     assert float(y) == pytest.approx(1.8)  # the first run: 2 - 0.1 * 1 * 2
     if differs:

@@ -332,9 +332,9 @@ def test_a_function_that_writes_nothing_is_looked_at_once(monkeypatch: pytest.Mo
     asked = []
     writing = _compiled_tapes._writing
 
-    def counted(call: Any, writes_of: Any, wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-        asked.append(instance)
-        return writing(call, writes_of, wrapped, instance, args, kwargs)
+    def counted(*args: Any) -> Any:
+        asked.append(args[4])  # (call, writes_of, given, wrapped, instance, args, kwargs)
+        return writing(*args)
 
     monkeypatch.setattr(_compiled_tapes, "_writing", counted)
     reads = tf.function(lambda: tf.reduce_sum(v) * 2.0)
@@ -346,3 +346,196 @@ def test_a_function_that_writes_nothing_is_looked_at_once(monkeypatch: pytest.Mo
     write_calls = [f for f in asked if f is writes.get_concrete_function()]
     assert len(read_calls) == 1 and len(write_calls) == 3
     np.testing.assert_array_equal(v.numpy(), V0 + 3.0)
+
+
+# ``_compiled_tapes._writes_nothing`` remembers, per concrete function, that
+# it writes nothing, and its later eager calls skip the write check: B's
+# function, paused in its graph before its write (or where it would write),
+# runs in thread B while A's tape function (traced, noted) is called here.
+# Where B's function writes a variable A's tape holds, A's call is refused
+# before it runs; where it does not, A's call runs and its gradient is the
+# rewrite's (``_oracle``).
+
+
+class _Pauses:
+    """A pause in B's graph that each call reaches anew: ``now`` is replaced
+    before each call (a ``_Pause`` waits once)."""
+
+    def __init__(self) -> None:
+        self.now = _Pause()
+
+    def __call__(self) -> np.float64:
+        return self.now()
+
+    def in_graph(self, after: Any) -> Any:
+        with tf.control_dependencies([after]):
+            return tf.numpy_function(self, [], tf.float64)
+
+
+class _Held:
+    """A's tape function, traced (its graph holds v and x), and B's pause."""
+
+    def __init__(self) -> None:
+        self.v = tf.Variable(V0, name="v_held")
+        self.w = tf.Variable(V0, name="w_free")  # A's tape never touches w
+        self.x = tf.Variable(X0, dtype=tf.float64)
+        released = _Pause()
+        released.go_on.set()  # A does not wait in its own graph
+        self.step = tf.function(_step(self.v, self.x, released, "assign_aware"))
+        self.step.get_concrete_function()
+        self.pauses = _Pauses()
+
+    def a_during(self, b_call: Callable[[], Any]) -> Any:
+        """A's call made while ``b_call`` (in thread B) is paused: A's outcome."""
+        self.v.assign(V0)
+        self.pauses.now = _Pause()
+        b, a = _while_paused(b_call, self.pauses.now, lambda: _outcome(self.step), name="thread-B")
+        assert not isinstance(b, Exception), b
+        assert not _registry._all_scopes and not _compiled_tapes._running
+        return a
+
+    def expect_refused(self, b_call: Callable[[], Any], function: str) -> None:
+        a = self.a_during(b_call)
+        assert isinstance(a, UntrackedWriteError), a
+        assert "v_held" in str(a) and function in str(a), str(a)
+
+    def expect_right(self, b_call: Callable[[], Any]) -> None:
+        a = self.a_during(b_call)
+        assert not isinstance(a, Exception), a
+        np.testing.assert_allclose(a[1].numpy(), _oracle()[1], rtol=1e-12)
+
+
+def _cached(function: Any, *args: Any) -> bool:
+    return function.get_concrete_function(*args) in _compiled_tapes._writes_nothing
+
+
+def test_a_function_reading_its_variable_argument_is_cached_for_every_variable() -> None:
+    held = _Held()
+
+    @tf.function
+    def reads(var: Any) -> Any:
+        with tf.control_dependencies([held.pauses.in_graph(tf.constant(0.0, tf.float64))]):
+            return tf.reduce_sum(var) * 2.0
+
+    for var in (held.w, held.v, held.w, held.v):
+        held.expect_right(lambda var=var: reads(var))
+        assert _cached(reads, var)
+    assert len(reads._list_all_concrete_functions()) == 1  # one function for both variables
+
+
+@pytest.mark.parametrize("through", ["assign", "an identity of its handle"])
+def test_a_function_writing_its_argument_is_seen_writing_each_variable_passed(through: str) -> None:
+    held = _Held()
+
+    @tf.function
+    def writes(var: Any) -> Any:
+        with tf.control_dependencies([held.pauses.in_graph(tf.constant(0.0, tf.float64))]):
+            if through == "assign":
+                return var.assign(var * 2.0)
+            tf.raw_ops.AssignVariableOp(resource=tf.identity(var.handle), value=var * 2.0)
+            return tf.constant(0.0)
+
+    for var in (held.w, held.v, held.w, held.v):
+        if var is held.v:
+            held.expect_refused(lambda var=var: writes(var), "writes")
+        else:
+            held.expect_right(lambda var=var: writes(var))
+        assert not _cached(writes, var)
+
+
+@pytest.mark.parametrize("written", ["captured", "argument"])
+def test_a_function_calling_a_nested_writing_function_is_seen_writing(written: str) -> None:
+    held = _Held()
+
+    @tf.function
+    def inner(var: Any) -> Any:
+        target = held.v if written == "captured" else var
+        return target.assign_add(tf.ones_like(target))
+
+    @tf.function
+    def outer(var: Any) -> Any:
+        with tf.control_dependencies([held.pauses.in_graph(tf.constant(0.0, tf.float64))]):
+            return inner(var)
+
+    for var in (held.w, held.v):
+        if written == "captured" or var is held.v:
+            held.expect_refused(lambda var=var: outer(var), "outer")
+        else:
+            held.expect_right(lambda var=var: outer(var))
+        assert not _cached(outer, var)
+
+
+def test_a_retrace_that_writes_is_seen_after_one_that_writes_nothing() -> None:
+    held = _Held()
+
+    @tf.function
+    def maybe(var: Any, write: bool) -> Any:
+        with tf.control_dependencies([held.pauses.in_graph(tf.constant(0.0, tf.float64))]):
+            return var.assign(var * 2.0) if write else tf.reduce_sum(var)
+
+    held.expect_right(lambda: maybe(held.v, False))
+    assert _cached(maybe, held.v, False)
+    held.expect_refused(lambda: maybe(held.v, True), "maybe")
+    assert not _cached(maybe, held.v, True)
+    held.expect_right(lambda: maybe(held.v, False))
+
+
+@pytest.mark.parametrize("writes", [False, True])
+def test_a_function_called_in_a_tapes_trace_then_eagerly(writes: bool) -> None:
+    """Traced first inside another tape's function (a writing one is traced
+    inline there), then called eagerly by B: seen as it is."""
+    held = _Held()
+
+    @tf.function
+    def g(var: Any) -> Any:
+        with tf.control_dependencies([held.pauses.in_graph(tf.constant(0.0, tf.float64))]):
+            return var.assign(var * 2.0) if writes else var * 2.0
+
+    u = tf.Variable(V0, name="u")
+
+    @tf.function
+    def in_tape() -> Any:
+        with AssignAwareTape() as t:
+            y = tf.reduce_sum(g(u) * held.x)
+        return t.gradient(y, held.x)
+
+    held.pauses.now.go_on.set()  # the trace's call does not wait
+    # (Rewrite: y = sum(2 u0) * x: dy/dx = 2 sum(u0).)
+    np.testing.assert_allclose(float(in_tape()), 2.0 * V0.sum(), rtol=1e-12)
+    if writes:
+        held.expect_refused(lambda: g(held.v), "g")
+    else:
+        held.expect_right(lambda: g(held.v))
+    assert _cached(g, held.v) is not writes
+
+
+@pytest.mark.parametrize("given", ["dataset", "iterator"])
+def test_a_function_given_a_writing_dataset_is_seen_writing(given: str) -> None:
+    """A dataset (or iterator) argument runs its functions in the called
+    function's graph, which sees only a placeholder: one concrete function
+    serves every dataset of the element spec, one that writes after one
+    that does not."""
+    held = _Held()
+
+    @tf.function
+    def consume(ds: Any) -> Any:
+        if given == "iterator":
+            return next(ds)
+        return ds.reduce(tf.constant(0.0, tf.float64), lambda a, e: a + e)
+
+    def reads(i: Any) -> Any:
+        with tf.control_dependencies([held.pauses.in_graph(tf.constant(0.0, tf.float64))]):
+            return tf.cast(i, tf.float64) + tf.reduce_sum(held.w)
+
+    def writes(i: Any) -> Any:
+        with tf.control_dependencies([held.pauses.in_graph(tf.constant(0.0, tf.float64))]):
+            with tf.control_dependencies([held.v.assign(held.v * 2.0)]):
+                return tf.cast(i, tf.float64)
+
+    def made(function: Any) -> Any:
+        dataset = tf.data.Dataset.range(1).map(function)
+        return iter(dataset) if given == "iterator" else dataset
+
+    held.expect_right(lambda: consume(made(reads)))
+    held.expect_refused(lambda: consume(made(writes)), "consume")
+    held.expect_right(lambda: consume(made(reads)))
