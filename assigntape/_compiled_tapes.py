@@ -35,7 +35,7 @@ from assigntape._tf import executing_eagerly, ops
 from assigntape._versions import Scope, canonical_handle, differentiable, variable_of_handle
 from assigntape._wrapping import bind
 
-__all__ = ["CallScope", "forget_other_threads", "leased"]
+__all__ = ["CallScope", "forget_threads", "leased"]
 
 Hook = Callable[[Callable[..., Any], Any, Any, Any], Any]
 
@@ -156,12 +156,12 @@ def _never_writes(function: Any) -> None:
         pass  # not weakly referable: asked again at each call
 
 
-def forget_other_threads() -> None:
-    """In a forked child: the writing calls of the threads that do not exist
-    there will never end, and must not refuse its calls."""
-    me = threading.get_ident()
+def forget_threads(gone: Callable[[int], bool]) -> None:
+    """The writing calls of the threads ``gone`` names, which do not exist
+    any more (``_leases.forget_threads``), will never end, and must not
+    refuse other calls."""
     for key, (thread, _, _) in list(_running.items()):
-        if thread != me:
+        if gone(thread):
             _running.pop(key, None)
 
 

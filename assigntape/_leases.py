@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Dict, Set, Tuple
+from typing import Any, Callable, Dict, Set, Tuple
 
-__all__ = ["lock", "take", "give", "count", "closed", "closed_refs", "plain", "take_plain", "forget_other_threads"]
+__all__ = ["lock", "take", "give", "count", "closed", "closed_refs", "plain", "take_plain", "forget_threads"]
 
 # Reentrant: ``_patches`` installs and takes its lease under it in one step.
 lock = threading.RLock()
@@ -69,16 +69,16 @@ def count() -> int:
     return len(_open) + len(closed) + len(plain)
 
 
-def forget_other_threads() -> None:
-    """In a forked child: the leases of the tapes opened by threads other than
-    this one, which do not exist here and will never close them, go; and
+def forget_threads(gone: Callable[[int], bool]) -> None:
+    """The threads ``gone`` names (by ident) do not exist any more (a forked
+    child has only the thread that forked; a thread ended with a tape open):
+    the leases of the tapes they opened, which nothing will close, go; and
     those of the plain tapes that ran there, open or closed, which no code
-    here can let go either."""
-    me = threading.get_ident()
+    can let go either."""
     for key, (_, thread) in list(_open.items()):
-        if thread != me:
+        if gone(thread):
             del _open[key]
     for recorder, thread in list(_plain_threads.items()):
-        if thread != me:
+        if gone(thread):
             plain.discard(recorder)
             _plain_threads.pop(recorder, None)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 from assigntape import _leases
 from assigntape._record import Record
@@ -62,7 +62,31 @@ def current_key() -> Any:
 
 
 def _list(scope: Scope) -> None:
+    if getattr(_tls, "ending", None) is None:
+        _tls.ending = _ThreadEnd()
     with _all_lock: _list_locked(scope)  # noqa: E701 - see above  # fmt: skip
+
+
+# Called with a thread's ident when the thread ends (``_ThreadEnd``): a
+# module above this one forgets the tapes it left open (``_threads``).
+thread_end_hooks: List[Callable[[int], None]] = []
+
+
+class _ThreadEnd:
+    """Kept in the locals of each thread that opened a tape of ours: it goes
+    with them when the thread ends, and calls the ``thread_end_hooks``."""
+
+    __slots__ = ("ident",)
+
+    def __init__(self) -> None:
+        self.ident = threading.get_ident()
+
+    def __del__(self) -> None:
+        try:
+            for hook in thread_end_hooks:
+                hook(self.ident)
+        except Exception:  # noqa: S110
+            pass  # (at the interpreter's exit, the modules may be half gone)
 
 
 def _list_locked(scope: Scope) -> None:

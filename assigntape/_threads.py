@@ -13,7 +13,7 @@ import contextlib
 import os
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from assigntape import _compiled_tapes, _leases, _registry
 from assigntape._compiled_tapes import CallScope
@@ -207,11 +207,16 @@ def _recording_accumulators(scope: Scope) -> List[Any]:
 _open_elsewhere_at_fork: List[Any] = []
 
 
+# The thread forking, between the fork's hooks (``_thread_ended``).
+_forking: List[int] = []
+
+
 def _before_fork() -> None:
     # Held across the fork, so that the child's copy is not held by a thread
     # that does not exist there (it would wait on it for ever).
     _leases.lock.acquire()
     _all_lock.acquire()
+    _forking.append(threading.get_ident())
     me = threading.get_ident()
     for thread, opened in list(_plain_by_thread.items()):
         if thread != me:
@@ -219,6 +224,7 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_parent() -> None:
+    _forking.clear()
     _open_elsewhere_at_fork.clear()
     _all_lock.release()
     _leases.lock.release()
@@ -230,18 +236,8 @@ def _after_fork_in_child() -> None:
     its writes to variables they read, keep the patches from ``uninstall``,
     keep the descriptor served). Their scopes and leases go."""
     try:
-        _leases.forget_other_threads()
-        _compiled_tapes.forget_other_threads()
         me = threading.get_ident()
-        gone = [scope for scope in _all_scopes if scope.thread != me]
-        for scope in gone:
-            _all_scopes.remove(scope)
-            _with_unnamed.discard(id(scope))
-        if gone and not _with_unnamed:
-            _check_reads(False)
-        if gone and not _all_scopes:
-            _serve_versions(False)
-            _registry._active_at = time.monotonic()
+        _forget_threads(lambda thread: thread != me)
         # Plain tapes open there (beside a tape of ours), never closed here.
         for tape in _open_elsewhere_at_fork:
             if tape is not None:
@@ -257,6 +253,42 @@ def _after_fork_in_child() -> None:
                 closed_tapes.discard(r)
     finally:
         _after_fork_in_parent()
+
+
+def _forget_threads(gone: Callable[[int], bool]) -> None:
+    """The tapes open in the threads ``gone`` names, which do not exist any
+    more, will never close: their scopes and leases go (``_leases.lock`` and
+    ``_all_lock`` held)."""
+    _leases.forget_threads(gone)
+    _compiled_tapes.forget_threads(gone)
+    left = [scope for scope in _all_scopes if gone(scope.thread)]
+    for scope in left:
+        _all_scopes.remove(scope)
+        _with_unnamed.discard(id(scope))
+    if left and not _with_unnamed:
+        _check_reads(False)
+    if left and not _all_scopes:
+        _serve_versions(False)
+        _registry._active_at = time.monotonic()
+
+
+def _thread_ended(ident: int) -> None:
+    """A thread ended with a tape of ours open (entered and never exited: kept
+    by an object that outlives the thread, an ExitStack, a suspended
+    generator). Plain TensorFlow forgets a tape left so; here its scopes
+    would refuse every other thread's writes to the variables it touched, and
+    keep the patches from ``uninstall``, for the rest of the process. They go,
+    as a forked child forgets the threads it does not have. (Called as the
+    thread's locals go, in that thread: its ident is not reused yet.)"""
+    if threading.get_ident() in _forking:
+        # A forked child, where Python drops the other threads' locals while
+        # this thread holds the locks: ``_after_fork_in_child`` forgets them.
+        return
+    with _leases.lock:
+        with _all_lock: _forget_threads(lambda thread: thread == ident)  # noqa: E701 - see _registry._list  # fmt: skip
+
+
+_registry.thread_end_hooks.append(_thread_ended)
 
 
 if hasattr(os, "register_at_fork"):

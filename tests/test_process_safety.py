@@ -882,3 +882,66 @@ def test_an_exception_at_any_line_of_acting_for_a_replica_leaves_this_thread_as_
         thread.join()
     assert n > 5 and not injector.fired
     assert not failures, failures[:5]
+
+
+# A thread enters tapes of ours (one kept by an object that outlives the
+# thread, one garbage with it, and a plain tape beside them) and ends without
+# exiting them. Plain TensorFlow forgets a tape left so; the tapes must not
+# bind the threads left: a write outside every tape, a new tape's gradient
+# (the rewrite's value) and uninstall() all work. Exit code: a bit per failed
+# check.
+_DEAD_THREAD = """
+    import gc, threading
+    import tensorflow as tf
+    import assigntape
+    from assigntape import AssignAwareTape
+
+    v, a = tf.Variable(1.0), tf.Variable(2.0)
+    kept = []
+
+    def worker():
+        outer = AssignAwareTape(persistent=True)
+        outer.__enter__()
+        kept.append(outer)
+        v.assign(v * a)
+        inner = AssignAwareTape()
+        inner.__enter__()
+        plain = tf.GradientTape()
+        plain.__enter__()
+        v.assign_add(a)  # the thread ends with all three open
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    gc.collect()
+    code = 0
+    try:
+        v.assign(5.0)  # outside every tape, in the thread left
+    except Exception as e:
+        print("WRITE", type(e).__name__, e, flush=True)
+        code |= 1
+    try:
+        with AssignAwareTape() as tape:
+            v.assign(3.0 * a)
+            y = v * v
+        # The rewrite: y = (3a)^2, dy/da = 18a = 36.
+        if float(tape.gradient(y, a)) != 36.0:
+            code |= 2
+    except Exception as e:
+        print("TAPE", type(e).__name__, e, flush=True)
+        code |= 2
+    del tape
+    try:
+        assigntape.uninstall()
+    except Exception as e:
+        print("UNINSTALL", type(e).__name__, e, flush=True)
+        code |= 4
+    print("CODE", code, flush=True)
+    raise SystemExit(code)
+"""
+
+
+def test_tapes_left_open_by_a_thread_that_ended_do_not_bind_the_others():
+    done = _run_python(_DEAD_THREAD)
+    assert done.returncode == 0, f"{done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
+    assert "CODE 0" in done.stdout, done.stdout
