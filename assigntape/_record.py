@@ -62,6 +62,10 @@ class Record:
     # internal one), and a forward accumulator (in TensorFlow's set of them).
     ours = True
     forward = False
+    # A recorder paused with this one where a first read after its re-entry
+    # records an identity (``_resuming.cut_on_first_read``): the record of
+    # the accumulator whose internal tape this is (``_forward``).
+    paired: Optional["Record"] = None
 
     def __init__(self, tape: Any, untracked_writes: str = "raise", keeps_history: bool = True) -> None:
         self._tape = weakref.ref(tape)

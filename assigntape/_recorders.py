@@ -64,6 +64,11 @@ class Recorder(Protocol):
     # what a caller asks about (``_control_gradients``).
     forward: bool
 
+    @property
+    def paired(self) -> Optional["Recorder"]:
+        """Paused with it where a first read after its re-entry records an
+        identity: assigntape.ForwardAccumulator's record, for its internal tape's."""
+
     def recording(self) -> bool:
         """Whether the recorder records now."""
 

@@ -295,10 +295,13 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
     # Record the identity on every recording tape except those that were
     # closed (those of ours here, or plain ones entered again) and those that
     # know the version.
+    # (A record's ``paired`` recorder, assigntape.ForwardAccumulator's for its
+    # internal tape, is paused with it: set aside, in its nesting order.)
     paused: List[Any] = []
     for r in [*closed_at_write, *knowing]:
-        if r.recording() and all(r is not p for p in paused):
-            paused.append(r)
+        for q in (r, r.paired):
+            if q is not None and q.recording() and all(q is not p for p in paused):
+                paused.append(q)
     for r in paused:
         r.pause()
     try:
