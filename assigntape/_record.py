@@ -180,6 +180,16 @@ class Record:
         versions = self.versions.get(uid)
         return self.start.get(uid, default) if versions is None else versions[-1]
 
+    def replace_latest(self, var: Any, new: Any) -> None:
+        """``new`` is the variable's latest version here, in place of a version
+        made for a write the tape did not see that another version of it
+        replaced (``_resuming.cut_on_first_read``); nothing if no write of
+        the variable is noted here."""
+        versions = self.versions.get(var._unique_id)
+        if versions and versions[-1] is not new:
+            versions[-1] = new
+            self.owners[id(new)] = var
+
     def owner_of(self, uid: str, handle: Any) -> Any:
         """The variable behind ``handle``, a version here or the start one of ``uid``."""
         found = self.owners.get(id(handle))

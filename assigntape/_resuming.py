@@ -190,15 +190,19 @@ def go_on_from(scope: Scope, resumed: Sequence[Tuple[Any, Any, Any]], resuming: 
     those that did not see it made (``cut_on_first_read``). Another tape
     entered again before may go on from another version of the variable:
     one a tape knows (not made by ``settle``) is kept, and for the others it
-    is a write they did not see. Noted as seen now: another thread must not
+    is a write they did not see (those that named the one ``settle`` made
+    name this one instead). Noted as seen now: another thread must not
     write the variable behind the tape."""
     for var, own, handle in resumed:
         closed_at_write = scope.dirty.setdefault(id(own), (own, []))[1]
         entry = scope.resumed.get(id(own))
         if entry is None or entry[2]:
-            if entry is not None:
-                closed_at_write.extend(entry[3])  # the one settle made yields
-            scope.resumed[id(own)] = (handle, var, False, [resuming])
+            # The one ``settle`` made yields: for the tapes that named it, this
+            # one is the version they did not see made (their records name it
+            # at the first read: ``cut_on_first_read``; nothing of another
+            # tape's record changes here, in this tape's entry).
+            knowing = [resuming] if entry is None else [*entry[3], resuming]
+            scope.resumed[id(own)] = (handle, var, False, knowing)
             scope.keep(var, handle)
         elif entry[0] is handle:
             entry[3].append(resuming)
@@ -312,6 +316,10 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
         for r in reversed(paused):
             r.resume()
     scope.adopt(var, new)
+    # A tape that named a version ``settle`` made, which yielded to this one
+    # (``go_on_from``), names this one.
+    for r in knowing:
+        r.replace_latest(var, new)
     # Each notes it from the version it knew (a tape entered again: the one
     # it goes on from; the tapes opened since: the variable's own handle).
     uid = var._unique_id

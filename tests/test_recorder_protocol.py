@@ -170,3 +170,30 @@ def test_a_version_named_before_the_first_read_is_the_one_read(mode):
         return tape.gradient(y, [last, x])
 
     assert [float(g) for g in run(mode, body)] == [2.0, 5.0]
+
+
+@modes
+@pytest.mark.parametrize("named_first", [False, True], ids=["read_first", "versions_named_first"])
+def test_a_tape_entered_again_beside_one_that_goes_on_from_the_write_it_missed(mode, named_first):
+    x, v = tf.Variable(2.0), tf.Variable(1.0)
+
+    def body():
+        t1, t2 = AssignAwareTape(persistent=True), AssignAwareTape(persistent=True)
+        with t1:
+            v.assign(3.0 * x)
+        with t2:
+            v.assign(4.0 * x)  # t1 closed: for it, a write under stop_recording
+        with t1:
+            if named_first:
+                t1.versions(v)  # before v's first read here
+            with t2:  # t2 goes on from its version, 4 x
+                y = v * v
+        # Rule 7: one write made while t1 was closed, one version more for it
+        # (start, 3 x, 4 x), and its latest is the version read.
+        assert len(t1.versions(v)) == 3, t1.history()
+        # The rewrite: y = v2 * v2 with v2 = 4 x: for t2 dy/dx = 2 v2 * 4 = 64;
+        # for t1 v2 is a constant (None), dy/dv2 = 2 v2 = 16.
+        return t2.gradient(y, x), t1.gradient(y, x) is None, t1.gradient(y, t1.versions(v)[-1])
+
+    g2, none, g_last = run(mode, body)
+    assert (float(g2), bool(none), float(g_last)) == (64.0, True, 16.0)
