@@ -115,8 +115,10 @@ def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[i
         _list(scope)
         scope.holders = [holding(holder)]
     if scope is not None:
-        watched = getattr(holder, "watched_variables", None)
-        enter_again(scope, resuming, held, written, () if watched is None else watched())
+        # (Not its watched variables: a plain tape's list of them grows with
+        # every version it read, and asking it at each entry would cost as
+        # much; what it reads here is noted seen at each read, as any tape's.)
+        enter_again(scope, resuming, held, written)
 
 
 def enter_again(
