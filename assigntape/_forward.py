@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from assigntape import _patches, _recorders, _resolve, _resuming, _versions
+from assigntape import _patches, _recorders, _resolve
 from assigntape._tape import AssignAwareTape
 from assigntape._tf import forwardprop, nest
 
@@ -85,6 +85,12 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
         writes = _ForwardOnlyTape(watch_accessed_variables=False)
         writes.__enter__()
         writes.__exit__(None, None, None)
+        # Where the internal tape does not see a version made (a write made
+        # while the accumulator was not open, at the variable's first read in
+        # it), neither does the accumulator: set aside with it, in its
+        # nesting order (``_recorders.AccumulatorRecord``), so that the
+        # version has no tangent for it and an identity for those around it.
+        writes._record.paired = _recorders.holding(self)
         self._writes = writes
 
     def __enter__(self) -> "ForwardAccumulator":
@@ -106,7 +112,6 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
         super().__enter__()
         if self._writes is not None:  # (not while __init__ watches)
             self._writes.__enter__()
-            self._cut_closed_writes()
         return self
 
     def _undo_enter(self) -> None:
@@ -115,27 +120,6 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
             writes.__exit__(None, None, None)
         if self._recording:
             super().__exit__(None, None, None)
-
-    def _cut_closed_writes(self) -> None:
-        """The variables written while this accumulator was not open get
-        their new version now, with this accumulator set aside: for it, a
-        version with no tangent; for the accumulators and tapes open around
-        it, an identity (for them the write came first). The internal tape
-        alone would make it at the first read, where this accumulator would
-        record the identity and keep the tangent."""
-        writes = self._writes
-        scope = None if writes is None else writes._scope
-        if writes is None or scope is None or not scope.dirty:
-            return
-        record = writes._record
-        pending = [own for own, closed_at_write in list(scope.dirty.values()) if record in closed_at_write]
-        if not pending:
-            return
-        with _recorders.set_aside(self):
-            for own in pending:
-                var = _versions.variable_of_handle(own)
-                if var is not None:
-                    _resuming.cut_on_first_read(scope, var, own)
 
     def __exit__(self, typ: Any, value: Any, traceback: Any) -> None:
         # Exiting always finishes: after an exception at any point of it (a

@@ -14,7 +14,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
-__all__ = ["Record", "WriteRecord"]
+__all__ = ["CLOSED_WRITE", "Record", "WriteRecord"]
 
 
 class WriteRecord(NamedTuple):
@@ -28,6 +28,10 @@ class WriteRecord(NamedTuple):
     # The previous version's shape, where the variable's shape is not fully
     # defined (a write may change it): zeros for that version need it.
     old_shape: Any = None
+
+
+# What made a version written while a tape was closed, as that tape sees it.
+CLOSED_WRITE = WriteRecord("a write while the tape was closed", cut=True)
 
 
 class Record:
@@ -58,6 +62,10 @@ class Record:
     # internal one), and a forward accumulator (in TensorFlow's set of them).
     ours = True
     forward = False
+    # A recorder paused with this one where a first read after its re-entry
+    # records an identity (``_resuming.cut_on_first_read``): the record of
+    # the accumulator whose internal tape this is (``_forward``).
+    paired: Optional["Record"] = None
 
     def __init__(self, tape: Any, untracked_writes: str = "raise", keeps_history: bool = True) -> None:
         self._tape = weakref.ref(tape)
@@ -120,7 +128,10 @@ class Record:
         """A write made ``new`` the variable's version after ``old``."""
         if not self.keeps_history:
             return
-        if not self.recording():  # inside this tape's stop_recording()
+        if not self.recording() and write is not CLOSED_WRITE:  # inside this tape's stop_recording()
+            # (A write made while it was closed is noted at the variable's
+            # first read after it, which may be under stop_recording: the
+            # write was not.)
             write = write._replace(recorded=False)
         uid = var._unique_id
         versions = self.versions.get(uid)
@@ -163,6 +174,21 @@ class Record:
         for uid, handle in self.start.items():
             found.setdefault(uid, handle)
         return found
+
+    def latest_of(self, uid: str, default: Any) -> Any:
+        """The latest version of ``uid`` this tape knows (start included), else ``default``."""
+        versions = self.versions.get(uid)
+        return self.start.get(uid, default) if versions is None else versions[-1]
+
+    def replace_latest(self, var: Any, new: Any) -> None:
+        """``new`` is the variable's latest version here, in place of a version
+        made for a write the tape did not see that another version of it
+        replaced (``_resuming.cut_on_first_read``); nothing if no write of
+        the variable is noted here."""
+        versions = self.versions.get(var._unique_id)
+        if versions and versions[-1] is not new:
+            versions[-1] = new
+            self.owners[id(new)] = var
 
     def owner_of(self, uid: str, handle: Any) -> Any:
         """The variable behind ``handle``, a version here or the start one of ``uid``."""

@@ -19,8 +19,8 @@ records, to pause and resume it (for one op: a tape is popped, an accumulator
 set aside with the ones entered after it put back around it, so that every
 accumulator keeps its nesting order), which recorder it stands for, and the
 writes made while it was closed. The other questions of the protocol are the
-store's, asked with the record: "go on from my versions" (``_resuming.go_on_from``,
-lazily, at each variable's first read) and "my current version of v"
+store's, asked with the record: "go on from my versions" (``_resuming.enter_again``,
+the one entry path of every kind, lazily, at each variable's first read) and "my current version of v"
 (``_resuming.latest_version``). Entering and exiting are each recorder's own
 methods (``_tape``, ``_forward``; TensorFlow's, followed by ``_plain_tapes``).
 While a plain tape or accumulator is open, one record stands for it
@@ -63,6 +63,11 @@ class Recorder(Protocol):
     # A forward accumulator: where TensorFlow's forward mode, not ours, is
     # what a caller asks about (``_control_gradients``).
     forward: bool
+
+    @property
+    def paired(self) -> Optional["Recorder"]:
+        """Paused with it where a first read after its re-entry records an
+        identity: assigntape.ForwardAccumulator's record, for its internal tape's."""
 
     def recording(self) -> bool:
         """Whether the recorder records now."""

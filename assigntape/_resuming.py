@@ -10,10 +10,10 @@ again it goes on from its versions, lazily: at each variable's first read
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from assigntape import _leases
-from assigntape._record import Record, WriteRecord
+from assigntape._record import CLOSED_WRITE, Record, WriteRecord
 from assigntape._recorders import among, holding
 from assigntape._registry import _list, _scopes, _tls, current_key
 from assigntape._tf import (
@@ -103,17 +103,11 @@ def note_closed_writes(scope: Scope, record: Record) -> None:
 def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], resuming: Record) -> None:
     """A plain tape or forward accumulator that held versions (``held_by``),
     or that exited where a tape of ours was open (``owned``: the versions
-    current then), is entered again in the same graph: it goes on from them,
-    except for the variables written meanwhile (``written``, by id of their
-    own handle): for it such a write is one it did not record, as under
-    ``stop_recording``, so they go on from a new version with no gradient path
-    (their own handle may be a version it started from).
-
-    It does so at each variable's first read, as a tape of ours entered again
-    does (``_resume_inside``; ``resuming`` is its record, which pauses it:
-    ``_recorders.record_for``), also where a tape of ours opened since is open
-    (which goes on from its own).
-    """
+    current then), is entered again in the same graph (``resuming`` is its
+    record, which pauses it: ``_recorders.record_for``; ``written`` the
+    writes made while it was closed): it goes on from them as a tape of ours
+    entered again does (``enter_again``), also where a tape of ours opened
+    since is open (which goes on from its own)."""
     key = current_key()
     scope = _scopes().get(key)
     if scope is None and (held or written):
@@ -121,54 +115,134 @@ def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[i
         _list(scope)
         scope.holders = [holding(holder)]
     if scope is not None:
-        _resume_inside(scope, held, written, resuming)
+        # (Not its watched variables: a plain tape's list of them grows with
+        # every version it read, and asking it at each entry would cost as
+        # much; what it reads here is noted seen at each read, as any tape's.)
+        enter_again(scope, resuming, held, written)
 
 
-def _resume_inside(scope: Scope, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], resuming: Record) -> None:
-    """``resume_holder``: each variable no tape of ``scope``
-    wrote goes on from the holder's version (``go_on_from``), or,
-    written while the holder was closed, from a new version it has no path
-    through, made at its first read (``cut_on_first_read``). A variable a
-    tape of ``scope`` wrote goes on from that tape's version, made by a write
-    the holder did not record."""
+def enter_again(
+    scope: Scope,
+    record: Record,
+    known: Dict[str, Tuple[Any, Any]],
+    written: Dict[int, Any],
+    watched: Iterable[Any] = (),
+) -> None:
+    """The recorder protocol's "go on from my versions", for every kind of
+    recorder entered again in ``scope`` (``record``: its record, ``ours`` or
+    not): ``known`` (unique id -> (version, variable)) the latest versions it
+    knows, ``written`` (id(own handle) -> own handle; not changed here) the
+    variables written while it was closed, ``watched`` the variables it read
+    before (another thread must not write them behind it, nor the ones it
+    goes on from: ``scope.seen``).
+
+    Lazily, the same for every kind (rule 7: for it, a write made while it
+    was closed is a write under ``stop_recording``):
+
+    * a variable it knows, not written meanwhile: it goes on from its
+      version, current at the variable's first read here (``go_on_from``);
+    * a variable written while it was closed and not current here: at its
+      first read here a new version, with no gradient path for it
+      (``cut_on_first_read``; a tape of ours notes the write from the version
+      it knew, as it does if it names the version before that read:
+      ``settle``). An unidentifiable variable (``variable_of_handle`` gives
+      None: made while no tape was about) is cut there too, by its handle.
+      One it never knew is not noted as seen: no read of it is behind the
+      recorder, as for any variable it has not read;
+    * a variable current here (written by a tape open while it was closed):
+      that version, which a tape of ours notes as a write it did not see."""
+    for var in watched:
+        uid = getattr(var, "_unique_id", None)
+        if uid is not None:
+            scope.seen.add(uid)
+    remaining = dict(written)
     resumed = []
-    for handle, var in held.values():
+    for uid, (mine, var) in known.items():
         own = canonical_handle(var)
-        if id(own) not in written and var._unique_id not in scope.current:
-            resumed.append((var, own, handle, False))
-    go_on_from(scope, resumed, resuming)
-    for own in written.values():
-        var = variable_of_handle(own)
-        if var is not None and var._unique_id not in scope.current:
-            scope.dirty.setdefault(id(own), (own, []))[1].append(resuming)
-            scope.seen.add(var._unique_id)
+        cut = remaining.pop(id(own), None) is not None
+        current = scope.current.get(uid)
+        if current is not None:
+            if current is not mine and record.ours:
+                record.note_write(var, mine, current, CLOSED_WRITE)
+        elif cut:
+            scope.dirty.setdefault(id(own), (own, []))[1].append(record)
+            scope.seen.add(uid)
+        else:
+            resumed.append((var, own, mine))
+    go_on_from(scope, resumed, record)
+    for uid, current in scope.current.items():
+        var = scope.owners.get(id(current))
+        if uid in known or var is None:
+            continue
+        own = canonical_handle(var)
+        remaining.pop(id(own), None)
+        if record.ours and current is not own:
+            record.note_write(var, own, current, CLOSED_WRITE)
+    for key, own in remaining.items():
+        scope.dirty.setdefault(key, (own, []))[1].append(record)
 
 
-def go_on_from(scope: Scope, resumed: Sequence[Tuple[Any, Any, Any, bool]], resuming: Record) -> None:
-    """Each ``(variable, its own handle, version, made)`` of ``resumed``: the
-    tape of ``resuming``, entered again, goes on from that version (``made``:
-    one it made for a write it did not see while closed). The tapes opened
-    since it was closed know the variable by its own handle (none open then
-    and still is: the scope would have kept its versions), so at its first
-    read here the version becomes current, recorded as an identity of that
-    handle on every recorder but those that know it and those that did not
-    see it made (``cut_on_first_read``). Another tape entered again before
-    may go on from another version of the variable: one some tape knows is
-    kept, and for the others it is a write they did not see. Noted as seen
-    now: another thread must not write the variable behind the tape."""
-    for var, own, handle, made in resumed:
+def go_on_from(scope: Scope, resumed: Sequence[Tuple[Any, Any, Any]], resuming: Record) -> None:
+    """Each ``(variable, its own handle, version)`` of ``resumed``: the
+    tape of ``resuming``, entered again, goes on from that version. The
+    tapes opened since it was closed know the variable by its own handle
+    (none open then and still is: the scope would have kept its versions),
+    so at its first read here the version becomes current, recorded as an
+    identity of that handle on every recorder but those that know it and
+    those that did not see it made (``cut_on_first_read``). Another tape
+    entered again before may go on from another version of the variable:
+    one a tape knows (not made by ``settle``) is kept, and for the others it
+    is a write they did not see (those that named the one ``settle`` made
+    name this one instead). Noted as seen now: another thread must not
+    write the variable behind the tape."""
+    for var, own, handle in resumed:
         closed_at_write = scope.dirty.setdefault(id(own), (own, []))[1]
         entry = scope.resumed.get(id(own))
-        if entry is None or (entry[2] and not made):
-            if entry is not None:
-                closed_at_write.extend(entry[3])  # the made one yields
-            scope.resumed[id(own)] = (handle, var, made, [resuming])
+        if entry is None or entry[2]:
+            # The one ``settle`` made yields: for the tapes that named it, this
+            # one is the version they did not see made (their records name it
+            # at the first read: ``cut_on_first_read``; nothing of another
+            # tape's record changes here, in this tape's entry).
+            knowing = [resuming] if entry is None else [*entry[3], resuming]
+            scope.resumed[id(own)] = (handle, var, False, knowing)
             scope.keep(var, handle)
         elif entry[0] is handle:
             entry[3].append(resuming)
         else:
             closed_at_write.append(resuming)
         scope.seen.add(var._unique_id)
+
+
+def settle(scope: Scope, record: Record) -> None:
+    """A tape of ours (``record``) entered again names its versions (it is
+    asked ``versions``, ``history``, ``explain`` or a variable target, or it
+    exits) before the first read of a variable it knew that was written
+    while it was closed: the version it did not see made is made now, the
+    one that read will make current (``scope.resumed``; shared with a tape
+    that goes on from a version of the variable), and noted on its record
+    from the version it knew, as that read would (``cut_on_first_read``)."""
+    if not scope.dirty or not record.keeps_history:
+        return
+    for key, (own, closed_at_write) in list(scope.dirty.items()):
+        if all(r is not record for r in closed_at_write):
+            continue
+        var = variable_of_handle(own)
+        if var is None or var._unique_id in scope.current:
+            continue
+        mine = record.latest_of(var._unique_id, None)
+        if mine is None:
+            continue  # a variable it never knew: named at its first read
+        # (Each step can run again: an interrupted exit runs it once more.)
+        entry = scope.resumed.get(key)
+        if entry is None:
+            new = new_version(own, None)
+            scope.keep(var, new)
+            entry = scope.resumed[key] = (new, var, True, [])
+        if all(r is not record for r in entry[3]):
+            entry[3].append(record)
+        if mine is not entry[0]:
+            record.note_write(var, mine, entry[0], CLOSED_WRITE)
+        closed_at_write[:] = [r for r in closed_at_write if r is not record]
 
 
 def owned(versions: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:
@@ -215,10 +289,6 @@ def forget_closed_writes(recorder: Any) -> None:
             closed_at_write[:] = [r for r in closed_at_write if not r.stands_for(recorder)]
 
 
-# What made a version written while a tape was closed, as that tape sees it.
-CLOSED_WRITE = WriteRecord("a write while the tape was closed", cut=True)
-
-
 def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
     """The first read, in ``scope``, of a variable written while a tape of it was
     closed and not otherwise known to that tape: a new version, with no gradient
@@ -231,10 +301,13 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
     # Record the identity on every recording tape except those that were
     # closed (those of ours here, or plain ones entered again) and those that
     # know the version.
+    # (A record's ``paired`` recorder, assigntape.ForwardAccumulator's for its
+    # internal tape, is paused with it: set aside, in its nesting order.)
     paused: List[Any] = []
     for r in [*closed_at_write, *knowing]:
-        if r.recording() and all(r is not p for p in paused):
-            paused.append(r)
+        for q in (r, r.paired):
+            if q is not None and q.recording() and all(q is not p for p in paused):
+                paused.append(q)
     for r in paused:
         r.pause()
     try:
@@ -245,9 +318,17 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
         for r in reversed(paused):
             r.resume()
     scope.adopt(var, new)
+    # A tape that named a version ``settle`` made, which yielded to this one
+    # (``go_on_from``), names this one.
+    for r in knowing:
+        r.replace_latest(var, new)
+    # Each notes it from the version it knew (a tape entered again: the one
+    # it goes on from; the tapes opened since: the variable's own handle).
+    uid = var._unique_id
     for r in scope.records:
         if all(r is not k for k in knowing):
-            r.note_write(var, own, new, CLOSED_WRITE if r in closed_at_write else WriteRecord("Identity"))
+            old = r.latest_of(uid, own)
+            r.note_write(var, old, new, CLOSED_WRITE if r in closed_at_write else WriteRecord("Identity"))
     return new
 
 

@@ -157,51 +157,12 @@ class AssignAwareTape(tf.GradientTape):
             self._entered = True
             self._snapshot_start(scope)
             return
-        # Entered again: what it recorded reads of before (its watched
-        # variables) must not be written by another thread meanwhile (nor
-        # what it wrote, adopted below). Not what other tapes read then.
-        for var in super().watched_variables():
-            uid = getattr(var, "_unique_id", None)
-            if uid is not None:
-                scope.seen.add(uid)
-        # Entered again. Each variable carries on from this tape's latest
-        # version, unless it was written while the tape was closed: by a tape
-        # still open (its version is current here, and this tape did not record
-        # the write) or with no tape open (noted while closed). Either way, for
-        # this tape the write has no gradient path, as under stop_recording().
-        written = record.written_while_closed
+        # Entered again: it goes on from the latest versions it knows (the
+        # one path of every kind of recorder: ``_resuming.enter_again``).
         latest = record.latest()
-        resumed = []
-        for uid, mine in latest.items():
-            var = record.owner_of(uid, mine)
-            current = scope.current.get(uid)
-            if current is None:
-                # It goes on from its version, or from a new one, made by a
-                # write it did not record (its latest from now on). Either
-                # becomes current at the variable's first read here.
-                own = _versions.canonical_handle(var)
-                made = written.pop(id(own), None) is not None
-                if made:
-                    new = _versions.new_version(own, None)
-                    record.note_write(var, mine, new, _resuming.CLOSED_WRITE)
-                    mine = new
-                resumed.append((var, own, mine, made))
-                continue
-            if current is not mine:
-                record.note_write(var, mine, current, _resuming.CLOSED_WRITE)
-        _resuming.go_on_from(scope, resumed, record)
-        for uid, current in scope.current.items():
-            var = scope.owners.get(id(current))
-            if uid not in latest and var is not None:
-                start = record.start.get(uid, _versions.canonical_handle(var))
-                if current is not start:
-                    record.note_write(var, start, current, _resuming.CLOSED_WRITE)
-                written.pop(id(_versions.canonical_handle(var)), None)
-        # Variables this tape never wrote: their first read here makes the version.
-        for key, own in written.items():
-            entry = scope.dirty.setdefault(key, (own, []))
-            entry[1].append(record)
-        written.clear()
+        known = {uid: (mine, record.owner_of(uid, mine)) for uid, mine in latest.items()}
+        _resuming.enter_again(scope, record, known, record.written_while_closed, super().watched_variables())
+        record.written_while_closed.clear()
 
     def __exit__(self, typ: Any, value: Any, traceback: Any) -> None:
         # Exiting always finishes: an exception at any point of it (a
@@ -236,6 +197,9 @@ class AssignAwareTape(tf.GradientTape):
             self._pop_tape()  # (TensorFlow's __exit__, if it was interrupted before it)
         record = self._record
         if any(r is record for r in scope.records):
+            # The versions it did not see made, of the variables it knew and
+            # did not read again, are its latest (``_resuming.settle``).
+            _resuming.settle(scope, record)
             # Writes made while this tape was closed before and not read
             # since it was entered again stay writes with no gradient path
             # for it when it is entered once more (the scope forgets its
@@ -262,6 +226,9 @@ class AssignAwareTape(tf.GradientTape):
 
     def reset(self) -> None:
         """Clears the tape, as ``tf.GradientTape.reset``; versions start again here."""
+        # Entered again: the versions it did not see made, not read yet, are
+        # where it starts anew (as a tape entered here would start from them).
+        self._settle()
         super().reset()
         self._end_lease()
         _resuming.forget_closed_writes(self._record)
@@ -368,7 +335,15 @@ class AssignAwareTape(tf.GradientTape):
         return var
 
     def _versions_of(self, var: Any) -> Tuple[Any, ...]:
+        self._settle()
         return self._record.versions_of(var, _versions.canonical_handle(var))
+
+    def _settle(self) -> None:
+        """Entered again, it names the versions it did not see made before
+        the variables' first read (``_resuming.settle``)."""
+        scope = self._scope
+        if scope is not None and scope.dirty:
+            _resuming.settle(scope, self._record)
 
     def _latest(self, x: Any) -> Any:
         """What a target ``x`` means: its latest version if it is a variable
@@ -573,6 +548,7 @@ class AssignAwareTape(tf.GradientTape):
         >>> report.reports[0].reason, report.reports[1].status
         ('overwritten_before_read', 'ok')
         """
+        self._settle()
         return _diagnostics.explain(self, self._record, target, sources, _as_tf_variable)
 
     def history(self) -> _diagnostics.History:
@@ -597,6 +573,7 @@ class AssignAwareTape(tf.GradientTape):
           v1: AssignAddVariableOp
           v2: ResourceStridedSliceAssign
         """
+        self._settle()
         return _diagnostics.history(self._record)
 
     def _zeros_for(self, raw: Any, mapped: Any) -> Any:

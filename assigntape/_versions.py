@@ -99,9 +99,9 @@ class Scope:
         # were closed, resolved at the variable's first read (``cut_on_first_read``).
         self.dirty: Dict[int, Tuple[Any, List[Any]]] = {}
         # id(a variable's own handle) -> (a version, its variable, whether it
-        # was made for a write no tape here saw, the records of the tapes
-        # entered again that go on from it): each also in ``dirty``, whose
-        # first read makes it current (``go_on_from``).
+        # was made for a write no tape here saw (``_resuming.settle``), the
+        # records of the tapes entered again that go on from it): each also in
+        # ``dirty``, whose first read makes it current (``go_on_from``).
         self.resumed: Dict[int, Tuple[Any, Any, bool, List[Any]]] = {}
         # id(handle) -> (handle, op name, refusal or ""): variables written, since the tape
         # opened, through a handle no tape could name (``_refusals.unknown_variable_write``),

@@ -58,3 +58,142 @@ def test_a_variable_target_before_its_first_read_in_a_tape_entered_again(mode, k
     # constant): no gradient path (None, -1 here).
     expected = -1.0 if written_meanwhile else 3.0
     assert [float(g) for g in run(mode, body)] == [expected] * (2 if kind == "both" else 1)
+
+
+# -- "go on from my versions": one path for every kind of recorder ----------
+# (``_resuming.enter_again``; found by the differential harness of issue #38.)
+
+
+@modes
+def test_two_tapes_of_ours_entered_again_each_see_one_write_made_while_closed(mode):
+    x, v = tf.Variable(2.0), tf.Variable(1.0)
+
+    def body():
+        t1, t2 = AssignAwareTape(persistent=True), AssignAwareTape(persistent=True)
+        with t1:
+            with t2:
+                v.assign(3.0 * x)
+        v.assign(5.0)  # both closed
+        with t1:
+            with t2:
+                y = v * x
+        # Rule 7: the write made while they were closed is, for each, one
+        # write under stop_recording: one version more (start, 3 x, 5).
+        counts = [len(t.versions(v)) for t in (t1, t2)]
+        assert counts == [3, 3], counts
+        # The rewrite: v2 = 5, a constant: y = 5 x, dy/dx = 5; v's start: no path.
+        return t1.gradient(y, x), t2.gradient(y, x), t2.gradient(y, v) is None
+
+    g1, g2, none = run(mode, body)
+    assert (float(g1), float(g2), bool(none)) == (5.0, 5.0, True)
+
+
+def test_another_threads_write_to_a_variable_a_plain_tape_entered_again_never_knew():
+    # A plain tape entered again notes as seen what it goes on from and what it
+    # read, not every variable written while it was closed (as a tape of ours):
+    # another thread may write such a variable before its first read here.
+    import threading
+
+    x, v, u = tf.Variable(2.0), tf.Variable(1.0), tf.Variable(1.0)
+    plain = tf.GradientTape(persistent=True)
+    with plain:
+        with AssignAwareTape():
+            v.assign(3.0 * x)
+    u.assign(4.0)  # closed; the plain tape never read u
+    errors = []
+
+    def write():
+        try:
+            u.assign(7.0)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    with plain:
+        thread = threading.Thread(target=write)
+        thread.start()
+        thread.join()
+        y = u * x
+    assert errors == []
+    # The rewrite: u = 7 when read here: y = 7 x, dy/dx = 7.
+    assert float(plain.gradient(y, x)) == 7.0
+
+
+_MADE_BEFORE_ANY_TAPE = """
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import tensorflow as tf
+u = tf.Variable(1.0)  # made before any tape: its handle names no variable
+from assigntape import AssignAwareTape
+x, v = tf.Variable(2.0), tf.Variable(1.0)
+plain = tf.GradientTape(persistent=True)
+with plain:
+    a = u * x
+    with AssignAwareTape():
+        v.assign(3.0 * x)
+u.assign(4.0)  # while the plain tape is closed
+with plain:
+    y = u * x
+print(plain.gradient(y, u) is None, float(plain.gradient(y, x)), float(plain.gradient(a, u)))
+"""
+
+
+def test_a_plain_tape_entered_again_cuts_a_variable_made_before_any_tape():
+    # A variable made before any tape (its handle unidentifiable) written while
+    # the plain tape was closed is a write under stop_recording for it, as for
+    # a tape of ours. The rewrite: u at its entry (1) was overwritten by 4, a
+    # constant: dy/du None, dy/dx = 4; da/du = x = 2.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(
+        [sys.executable, "-c", _MADE_BEFORE_ANY_TAPE], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "4.0", "2.0"]
+
+
+@modes
+def test_a_version_named_before_the_first_read_is_the_one_read(mode):
+    x, v = tf.Variable(2.0), tf.Variable(1.0)
+
+    def body():
+        tape = AssignAwareTape(persistent=True)
+        with tape:
+            v.assign(3.0 * x)
+        v.assign(5.0)  # closed
+        with tape:
+            last = tape.versions(v)[-1]  # named before v's first read here
+            y = v * x
+        # The rewrite: y = v2 * x with v2 = 5 the version read: dy/dv2 = x = 2.
+        return tape.gradient(y, [last, x])
+
+    assert [float(g) for g in run(mode, body)] == [2.0, 5.0]
+
+
+@modes
+@pytest.mark.parametrize("named_first", [False, True], ids=["read_first", "versions_named_first"])
+def test_a_tape_entered_again_beside_one_that_goes_on_from_the_write_it_missed(mode, named_first):
+    x, v = tf.Variable(2.0), tf.Variable(1.0)
+
+    def body():
+        t1, t2 = AssignAwareTape(persistent=True), AssignAwareTape(persistent=True)
+        with t1:
+            v.assign(3.0 * x)
+        with t2:
+            v.assign(4.0 * x)  # t1 closed: for it, a write under stop_recording
+        with t1:
+            if named_first:
+                t1.versions(v)  # before v's first read here
+            with t2:  # t2 goes on from its version, 4 x
+                y = v * v
+        # Rule 7: one write made while t1 was closed, one version more for it
+        # (start, 3 x, 4 x), and its latest is the version read.
+        assert len(t1.versions(v)) == 3, t1.history()
+        # The rewrite: y = v2 * v2 with v2 = 4 x: for t2 dy/dx = 2 v2 * 4 = 64;
+        # for t1 v2 is a constant (None), dy/dv2 = 2 v2 = 16.
+        return t2.gradient(y, x), t1.gradient(y, x) is None, t1.gradient(y, t1.versions(v)[-1])
+
+    g2, none, g_last = run(mode, body)
+    assert (float(g2), bool(none), float(g_last)) == (64.0, True, 16.0)
