@@ -386,7 +386,7 @@ def made_from(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any
     # behaviour, its failures included (e.g. XLA's on a jvp through a cond).
     noted = _made_from_original.get(op)
     if noted is None:
-        if not _registry.any_scopes():
+        if not _registry.open_here():
             return wrapped(*args, **kwargs)
         noted = _made_from_original[op] = _MadeFrom()
     if _accumulating() and noted.outputs is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pathlib
 import subprocess
 import sys
+import threading
 from typing import Any, Callable
 
 import keras
@@ -732,6 +733,39 @@ def test_under_xla_an_accumulator_through_a_cond_reading_a_variable_is_refused()
         assert float(u) == 0.5  # nothing ran
         assert float(tf.function(ours(write))()) == pytest.approx(3 * 0.5 * 1.5**2)
     assert float(tf.function(plain(lambda: tf.constant(0.5, tf.float64)), jit_compile=True)()) == pytest.approx(3.375)
+
+
+def test_plain_forward_mode_in_a_thread_without_a_tape_is_plain_while_another_thread_has_one() -> None:
+    """The same plain program as above (XLA's failure on TensorFlow's jvp
+    through a cond reading a variable) in a thread with no tape of ours stays
+    TensorFlow's own while another thread has a tape of ours open
+    (adversarial finding: it gave 3.375 then, TensorFlow's error otherwise)."""
+    x, u = tf.constant(1.5, tf.float64), tf.Variable(0.5, dtype=tf.float64)
+    one = tf.constant(1.0, tf.float64)
+
+    def f() -> Any:
+        with tf.autodiff.ForwardAccumulator(x, one) as acc:
+            y = tf.cond(x > 0, lambda: u * x * x, lambda: u * 1.0) * x
+        return acc.jvp(y)
+
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        v = tf.Variable(1.0)
+        with assigntape.AssignAwareTape():
+            v.assign(v * 2.0)
+            holding.set()
+            done.wait(60)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert holding.wait(60)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="branch_shape"):
+            tf.function(f, jit_compile=True)()
+    finally:
+        done.set()
+        thread.join()
 
 
 # -- assigntape.ForwardAccumulator and writes while it is not open ---------------
