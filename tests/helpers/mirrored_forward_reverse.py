@@ -40,16 +40,20 @@ def run(strategy: Any, optimizer: str, lr_value: float, mode: str, accumulator: 
     )
 
     def replica(x: Any) -> Any:
+        def one_step() -> Any:
+            with tf.GradientTape() as inner:
+                loss = (x * w - 3.0) ** 2
+                if optimizer == "loss_scale":
+                    loss = opt.scale_loss(loss)
+            grads = inner.gradient(loss, [w])
+            opt.apply_gradients(zip(grads, [w]))
+            return grads
+
         def steps() -> Any:
-            # The intermediate tensors (the inner gradients) die when this
-            # function returns, before the tape's gradient: f15's shape.
+            # The inner gradients die when each step returns, before the
+            # tape's gradient: f15's shape.
             for _ in range(2):
-                with tf.GradientTape() as inner:
-                    loss = (x * w - 3.0) ** 2
-                    if optimizer == "loss_scale":
-                        loss = opt.scale_loss(loss)
-                grads = inner.gradient(loss, [w])
-                opt.apply_gradients(zip(grads, [w]))
+                one_step()
             return w * w * x
 
         if mode == "plain":
@@ -60,13 +64,9 @@ def run(strategy: Any, optimizer: str, lr_value: float, mode: str, accumulator: 
                     if nested:
                         y = steps()
                     else:
-                        for _ in range(2):
-                            with tf.GradientTape() as inner:
-                                loss = (x * w - 3.0) ** 2
-                                if optimizer == "loss_scale":
-                                    loss = opt.scale_loss(loss)
-                            grads = inner.gradient(loss, [w])
-                            opt.apply_gradients(zip(grads, [w]))
+                        # As when written inline: the inner gradients live
+                        # on, past the tape's gradient.
+                        _kept = [one_step() for _ in range(2)]
                         y = w * w * x
                 jvp = acc.jvp(y)
         else:  # the accumulator around the tape
