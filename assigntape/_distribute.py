@@ -388,8 +388,9 @@ def cross_replica_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, 
 
 
 def _refuse_tangents(name: str, recorded: List[List[Any]], replicas: Dict[int, Any], merging: List[Any]) -> None:
-    """Refuses a reduction in a ``merge_call`` of the user's own of values a
-    replica's ``ForwardAccumulator`` has a tangent for.
+    """Refuses a reduction in a ``merge_call`` (the user's own, or a tf_keras
+    legacy or ``tf.compat.v1.train`` optimizer's) of values a replica's
+    ``ForwardAccumulator`` has a tangent for.
 
     The link ``cross_replica_reduce`` makes is a reverse-mode rule (the
     all-reduce of the upstream gradients, in replica context); an accumulator
@@ -411,12 +412,14 @@ def _refuse_tangents(name: str, recorded: List[List[Any]], replicas: Dict[int, A
         if has_tangent:
             raise ControlFlowWriteError(
                 f"A ForwardAccumulator open in replica {replica} has a tangent for a value reduced "
-                f"across replicas in a merge_call of your own ({name}), while an AssignAwareTape is "
-                "open there: forward mode cannot follow a reduction made in the cross-replica context "
-                "(TensorFlow's own gives no tangent there, a silently missing term). Reduce in replica "
-                "context instead (tf.distribute.get_replica_context().all_reduce, which forward mode "
-                "follows eagerly), or take the gradient with the tape alone (reverse mode follows "
-                "this reduction). Nothing was reduced."
+                f"across replicas in a merge_call ({name}: a merge_call of your own, or the step of a "
+                "tf_keras legacy or tf.compat.v1.train optimizer, which sums its gradients so), while "
+                "an AssignAwareTape is open there: forward mode cannot follow a reduction made in the "
+                "cross-replica context (TensorFlow's own gives no tangent there, a silently missing "
+                "term). Reduce in replica context instead (tf.distribute.get_replica_context()."
+                "all_reduce, which forward mode follows eagerly; a Keras 3 optimizer sums its "
+                "gradients so), or take the gradient with the tape alone (reverse mode follows this "
+                "reduction). Nothing was reduced."
             )
 
 
