@@ -357,8 +357,10 @@ def cross_replica_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, 
     reduce_op = arguments["reduce_op"]
     if isinstance(reduce_op, str):
         reduce_op = tf.distribute.ReduceOp(reduce_op.upper())
-    results = wrapped(*args, **kwargs)
     merging = list(replicas.values())
+    # Before anything is reduced: forward mode cannot follow the link below.
+    _refuse_tangents(wrapped.__name__, recorded, replicas, merging)
+    results = wrapped(*args, **kwargs)
     linked = []
     for parts, destination, result in zip(recorded, destinations, results if batched else [results]):
         components = getattr(result, "values", None)
@@ -383,6 +385,42 @@ def cross_replica_reduce(wrapped: Callable[..., Any], instance: Any, args: Any, 
                     new.append(_all_reduced(part, component, reduce_op))
         linked.append(distribute_values.Mirrored(tuple(new)))
     return linked if batched else linked[0]
+
+
+def _refuse_tangents(name: str, recorded: List[List[Any]], replicas: Dict[int, Any], merging: List[Any]) -> None:
+    """Refuses a reduction in a ``merge_call`` (the user's own, or a tf_keras
+    legacy or ``tf.compat.v1.train`` optimizer's) of values a replica's
+    ``ForwardAccumulator`` has a tangent for.
+
+    The link ``cross_replica_reduce`` makes is a reverse-mode rule (the
+    all-reduce of the upstream gradients, in replica context); an accumulator
+    open in the replica differentiates it forward here, in the cross-replica
+    context, where each replica's result would need the tangents of every
+    replica's value, which each replica's own accumulators hold apart.
+    TensorFlow's own forward mode gives no tangent there (a None jvp), a
+    silently missing term: refused instead, before anything is reduced."""
+    for replica, scope in sorted(replicas.items()):
+        tensors = [
+            t
+            for parts in recorded
+            if parts
+            for t in nest.flatten(parts[replica], expand_composites=True)
+            if isinstance(t, tensor_lib.Tensor)
+        ]
+        with _threads.acting_for(scope, merging):
+            has_tangent = bool(tensors) and bool(pywrap_tfe.TFE_Py_PackJVPs(tensors)[1])
+        if has_tangent:
+            raise ControlFlowWriteError(
+                f"A ForwardAccumulator open in replica {replica} has a tangent for a value reduced "
+                f"across replicas in a merge_call ({name}: a merge_call of your own, or the step of a "
+                "tf_keras legacy or tf.compat.v1.train optimizer, which sums its gradients so), while "
+                "an AssignAwareTape is open there: forward mode cannot follow a reduction made in the "
+                "cross-replica context (TensorFlow's own gives no tangent there, a silently missing "
+                "term). Reduce in replica context instead (tf.distribute.get_replica_context()."
+                "all_reduce, which forward mode follows eagerly; a Keras 3 optimizer sums its "
+                "gradients so), or take the gradient with the tape alone (reverse mode follows this "
+                "reduction). Nothing was reduced."
+            )
 
 
 def _inside_all_reduce() -> bool:

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from assigntape import _compiled_tapes, _leases, _registry
+from assigntape import _compiled_tapes, _leases, _nesting, _registry
 from assigntape._compiled_tapes import CallScope
 from assigntape._errors import UntrackedWriteError
 from assigntape._registry import (
@@ -105,6 +105,8 @@ def recorded_by(scope: Scope, tensors: Sequence[Any]) -> bool:
     """Whether ``scope``'s recording tapes (a replica's, from its ``merge_call``)
     would follow a gradient into any of ``tensors``."""
     theirs = _recording_tapes(scope)
+    # Pushed here, each would be numbered again (``_nesting``).
+    numbers = _nesting.saved([tape._tape for tape in theirs])
     for tape in theirs:
         eager_tape.push_tape(tape)
     try:
@@ -112,6 +114,7 @@ def recorded_by(scope: Scope, tensors: Sequence[Any]) -> bool:
     finally:
         for tape in reversed(theirs):
             eager_tape.pop_tape(tape)
+        _nesting.restore(numbers)
 
 
 def refuse_foreign_inputs(var: Any, op_name: str, tensors: Sequence[Any]) -> None:
@@ -129,6 +132,7 @@ def refuse_foreign_inputs(var: Any, op_name: str, tensors: Sequence[Any]) -> Non
     unseen = [t for t in tensors if not pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop([t])]
     if not unseen:
         return
+    numbers = _nesting.saved([tape._tape for tape in mine])
     for tape in reversed(mine):
         eager_tape.pop_tape(tape)
     try:
@@ -146,6 +150,7 @@ def refuse_foreign_inputs(var: Any, op_name: str, tensors: Sequence[Any]) -> Non
     finally:
         for tape in mine:
             eager_tape.push_tape(tape)
+        _nesting.restore(numbers)
 
 
 @contextlib.contextmanager
@@ -159,6 +164,10 @@ def acting_for(scope: Scope, merging: Sequence[Scope]) -> Iterator[None]:
     saved = getattr(_tls, "scopes", None), getattr(_tls, "merging", ())
     recording = _recording_tapes(scope)
     accumulators = _recording_accumulators(scope)
+    # Pushed here, each is numbered again, in this order, whatever their
+    # order in the replica (a tape entered inside an accumulator would count
+    # as outside it): their own numbers, while acting and after (``_nesting``).
+    numbers = _nesting.saved([tape._tape for tape in recording] + accumulators)
     # All or nothing: each change is noted on the line that makes it (no line
     # between for an exception, a KeyboardInterrupt, to land on), and undone
     # from those notes; the undoing runs once more if interrupted.
@@ -169,6 +178,7 @@ def acting_for(scope: Scope, merging: Sequence[Scope]) -> Iterator[None]:
     def undo() -> None:
         while added: pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(added.pop())  # noqa: E701  # fmt: skip
         while pushed: eager_tape.pop_tape(pushed.pop())  # noqa: E701  # fmt: skip
+        _nesting.restore(numbers)
         _tls.scopes, _tls.merging = saved
         if counted: _count_acting(-1); counted.clear()  # noqa: E701, E702  # fmt: skip
 
@@ -176,6 +186,7 @@ def acting_for(scope: Scope, merging: Sequence[Scope]) -> Iterator[None]:
         _tls.scopes, _tls.merging = {scope.key: scope}, tuple(merging)
         for tape in recording: eager_tape.push_tape(tape); pushed.append(tape)  # noqa: E701, E702  # fmt: skip
         for accumulator in accumulators: pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator); added.append(accumulator)  # noqa: E701, E702, E501  # fmt: skip
+        _nesting.restore(numbers)
         _count_acting(1); counted.append(True)  # noqa: E702  # fmt: skip
         yield
     finally:

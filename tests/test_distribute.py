@@ -598,3 +598,43 @@ def test_watched_variables_in_replicas_are_tensorflows_list():
         assert out[f"order/{mode}/plain"] == [[0, 1], [0, 1]], out[f"order/{mode}/plain"]
         assert out[f"order/{mode}/ours"] == out[f"order/{mode}/plain"], (mode, out[f"order/{mode}/ours"])
     assert out["resolver_is_tensorflows"]  # TensorFlow's own again once no thread acts for a replica
+
+
+def test_forward_mode_through_a_merge_call_reduction_of_ones_own_is_refused():
+    """An AssignAwareTape and a ForwardAccumulator (ours or TensorFlow's) in
+    each replica, a merge_call of one's own summing a value the tape recorded
+    (batch_reduce_to), eager and compiled: forward mode cannot follow the
+    reduction made in the cross-replica context (plain TensorFlow gives a
+    None jvp there), so it is refused, naming the merge_call and what to do,
+    before anything is reduced; a fresh tape after works (d(2 lr)/d lr = 2).
+    Was: AttributeError 'NoneType' object has no attribute 'all_reduce'."""
+    out = _helper_output("mirrored_forward_merge")
+    for label, got in out.items():
+        assert got.get("error") == "ControlFlowWriteError", (label, got)
+        message = got["message"]
+        assert "merge_call" in message and "batch_reduce_to" in message, label
+        assert "get_replica_context().all_reduce" in message and "tape alone" in message, label
+        assert got["fresh"] == 2.0, label
+
+
+def test_forward_accumulator_in_replicas_leaves_the_reverse_gradient_alone():
+    """Two Keras 3 steps (SGD with momentum, Adam, LossScaleOptimizer) in each
+    replica, eagerly, with an AssignAwareTape and a ForwardAccumulator (ours or
+    TensorFlow's, inside the tape or around it), the steps inline or in a
+    nested function: each replica's jvp along lr equals the finite
+    differences of its objective, and the replicas' reverse d/d lr sum to the
+    finite differences of the summed objective (semantics section 12). Was,
+    with the accumulator inside the tape and the steps nested: SGD momentum's
+    reverse [76.61, 153.22] (sum 229.8) instead of summing to 108.86 (the
+    tape's TensorFlow nesting number, taken again when merge_call pushed it
+    in the main thread, put it inside the accumulator, so the all-reduce the
+    accumulator differentiated went unrecorded on it)."""
+    out = _helper_output("mirrored_forward_reverse")
+    for optimizer, cases in out["cases"].items():
+        fd = out["fd"][optimizer]
+        for label, got in cases:
+            assert "result" in got, (label, got)
+            jvps = [jvp for jvp, _ in got["result"]]
+            np.testing.assert_allclose(jvps, fd, rtol=2e-3, err_msg=label)
+            total = sum(grad for _, grad in got["result"])
+            np.testing.assert_allclose(total, sum(fd), rtol=2e-3, err_msg=label)
