@@ -84,16 +84,20 @@ class Segment:
         or on ``upstream``, and would get a silently wrong (often None) second
         derivative. Recorded where a recorder reaches the identity's inputs
         (the gradients flowing in, the segment's outputs): a first-order
-        gradient never differentiates it."""
+        gradient never differentiates it. In a graph always: ``tf.gradients``
+        (symbolic, no recorder) may differentiate the gradient's graph later,
+        and its walk reaches the identity through the re-run's reads of the
+        variables, whose handles are the sources it is given."""
         given = [g for g in grads if g is not None]
-        if not given or not record.could_possibly_record():
+        recording = record.could_possibly_record()
+        if not given or (not recording and tf.executing_eagerly()):
             return grads
         refuse = functools.partial(_refuse_second_order, self.name)
         # The written variables' new versions are handles: connected on the
         # tapes only (TensorFlow's forward mode takes no resource input; an
         # accumulator entered after the segment gives them no tangent anyway).
         handles = [t for t in self.ends if not float_tensor(t)]
-        if handles:
+        if handles and recording:
             with record.stop_recording():
                 passed = [tf.identity(g) for g in given]
             record.record_operation_backprop_only(_SECOND_ORDER, passed, [*given, *handles], refuse)
@@ -217,9 +221,9 @@ _SECOND_ORDER = "CheckpointedGradient"
 def _refuse_second_order(name: str, *_: Any, **__: Any) -> Any:
     raise RecomputeError(
         f"{name}: a gradient through this segment is being differentiated again (a second-order "
-        "derivative: a tape or tape.jacobian around the gradient's computation, or a "
-        "ForwardAccumulator over it). The segment's re-run in the backward pass is recorded by no "
-        "tape around it, so that derivative would be wrong. Call the step without checkpointed / "
+        "derivative: a tape or tape.jacobian around the gradient's computation, tf.gradients of "
+        "it, or a ForwardAccumulator over it). The segment's re-run in the backward pass is "
+        "recorded by no tape around it, so that derivative would be wrong. Call the step without checkpointed / "
         "unroll where a second-order derivative is taken (or take it by finite differences of "
         "the gradient)."
     )
