@@ -185,7 +185,7 @@ class Segment:
                 "tf.random.Generator or a seed variable, pass data as arguments."
             )
             with record.stop_recording():
-                tol = _rtol(dtype) * tf.stack([first[1], first[1], first[2]]) + _TINY
+                tol = _rtol(dtype) * tf.stack([first[1], first[1], first[2], first[1]]) + _TINY
                 # Equal covers infinities (inf - inf is NaN); a NaN anywhere, no check.
                 close = tf.equal(first, second) | (tf.abs(first - second) <= tol)
                 same = tf.reduce_all(close) | tf.reduce_any(tf.math.is_nan(first))
@@ -231,15 +231,19 @@ def _refuse_second_order(name: str, *_: Any, **__: Any) -> Any:
 
 def fingerprints(variables: List[Any], tensors: List[Any]) -> List[Any]:
     """Per value (each variable's now, then each tensor), float64 [sum,
-    sum of absolute values, sum of squares]: O(1) memory, the same for the
-    same bits."""
+    sum of absolute values, sum of squares, sum weighted by position]: O(1)
+    memory kept, the same for the same bits. The weights (sin(i + 1), at most
+    1 in size: the tolerance of the sum of absolute values holds) make it
+    see an order: a permutation (a shuffle drawn again) keeps the other three."""
     found: List[Any] = []
     with record.stop_recording():
         for x in [read(v) for v in variables] + list(tensors):
             if x.dtype.is_complex:
                 x = tf.concat([tf.reshape(tf.math.real(x), [-1]), tf.reshape(tf.math.imag(x), [-1])], 0)
-            x = tf.cast(x, tf.float64)
-            found.append(tf.stack([tf.reduce_sum(x), tf.reduce_sum(tf.abs(x)), tf.reduce_sum(x * x)]))
+            x = tf.reshape(tf.cast(x, tf.float64), [-1])
+            weights = tf.sin(tf.range(1, tf.size(x, tf.int64) + 1, dtype=tf.float64))
+            sums = [tf.reduce_sum(x), tf.reduce_sum(tf.abs(x)), tf.reduce_sum(x * x), tf.reduce_sum(x * weights)]
+            found.append(tf.stack(sums))
     return found
 
 
