@@ -15,9 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import numpy as np
 import tensorflow as tf
 
-from assigntape import _registry
-from assigntape._errors import RecomputeError
-from assigntape._segment_checks import Refusals, TouchLog, assign, float_tensor, read, remove_callback
+from assigntape import _registry, _threads
+from assigntape._errors import RecomputeError, UntrackedWriteError
+from assigntape._segment_checks import Refusals, TouchLog, assign, float_tensor, is_float, read, remove_callback
 from assigntape._tape import AssignAwareTape
 from assigntape._tf import indexed_slices, nest, op_callbacks, ops, record, tensor_lib
 
@@ -62,18 +62,35 @@ class Segment:
         for r in paused:
             r.pause()
         try:
+            self._refuse_other_threads()
             saved = [(var, read(var)) for var, _ in self.touched.values()]
             try:
                 grads = self._differentiate(upstream)
             finally:
                 for var, value in saved:
                     assign(var, value)
+        except UntrackedWriteError as error:
+            # (a tape opened in another thread meanwhile, or one reading a
+            # variable the check above could not name)
+            raise RecomputeError(_other_thread_message(self.name, str(error))) from error
         finally:
             for r in reversed(paused):
                 r.resume()
             if outer is not None:
                 scopes[key] = outer
         return self._refuse_second_order(grads, upstream)
+
+    def _refuse_other_threads(self) -> None:
+        """Refuses the backward pass, before it writes anything, if a tape
+        open in another thread has read or written a variable the segment
+        touched: the re-run writes the checkpoint and the step's values into
+        the live variables (the write would be refused anyway, as a write
+        from another thread, with advice that does not apply here)."""
+        for var, _ in self.touched.values():
+            if _threads.tracked_in_other_thread(var.__dict__["_handle"], var) is not None and is_float(var.dtype):
+                raise RecomputeError(
+                    _other_thread_message(self.name, f"an AssignAwareTape open in another thread read {var.name!r}")
+                )
 
     def _refuse_second_order(self, grads: List[Any], upstream: Sequence[Any]) -> List[Any]:
         """``grads`` through an identity whose own gradient (and tangent)
@@ -213,6 +230,16 @@ def _run_noted(notes: Refusals, run: Callable[..., Any], args: Sequence[Any]) ->
         return run(*args)
     finally:
         remove_callback(notes.callback)
+
+
+def _other_thread_message(name: str, found: str) -> str:
+    return (
+        f"{name}: its gradient runs the step again, writing its checkpoint and the step's values "
+        f"into the variables it touched until the backward pass puts them back, but {found}: "
+        "that tape would read the values written meanwhile. Take the gradient when no other "
+        "thread's tape reads these variables (synchronize the threads), or call the step without "
+        "checkpointed / unroll there."
+    )
 
 
 _SECOND_ORDER = "CheckpointedGradient"
