@@ -91,8 +91,11 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
             # would leave the callback, and through it the tapes, behind)
             scope.owners = log
             op_callbacks.add_op_callback(refusals.callback)
-            with tf.variable_creator_scope(refusals.creator):
+            with tf.variable_creator_scope(refusals.creator), record.VariableWatcher() as watcher:
                 result = run(*args)
+            # The variables TensorFlow's tapes would have watched (read through
+            # the variable, not only by a raw op on a kept handle: 6d).
+            accessed = {v._unique_id for v in watcher.watched_variables() if hasattr(v, "_unique_id")}
             error, log.error = log.error, None  # (kept, it would hold its traceback's frames: a cycle)
             if error is not None:
                 try:
@@ -151,6 +154,11 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
     ]
     tensors = [a for a in args if float_tensor(a)]
     segment = Segment(name, run, args, log.touched, inputs, written, float_out)
+    # Read only by a raw op on a kept handle (semantics 6d: TensorFlow watches
+    # nothing for it), not through the variable, and not written: the re-run
+    # does not watch it up front either. (A variable an op writes through its
+    # handle, an optimizer's slot, is tracked by its writes, watched or not.)
+    segment.unwatched = {uid for uid in log.touched if uid not in accessed} - {v._unique_id for v in written}
     segment.prints = fingerprints(written, [flat[i] for i in float_out])
     # Watched as the step's reads would have them watched (the versions at
     # its start), before the new versions are made current.

@@ -49,6 +49,8 @@ class Segment:
         # The recorded op's outputs: a tape that saw the segment reaches its
         # sources through them (``_refuse_second_order``).
         self.ends: List[Any] = []
+        # Variables the re-run's tape does not watch up front (``TouchLog.raw``).
+        self.unwatched: Set[str] = set()
 
     def backward(self, *upstream: Any) -> List[Any]:
         """The gradients for the recorded op's inputs (the versions of
@@ -142,7 +144,8 @@ class Segment:
             assert scope is not None
             log = scope.owners = TouchLog(scope.owners, scope.key)
             for var in self.inputs:
-                tape.watch(var)
+                if var._unique_id not in self.unwatched:
+                    tape.watch(var)
             tape.watch(tensors)
             notes = Refusals(self.name, [], self.args, log, scope.key)
             result = _run_noted(notes, self.run, self.args)

@@ -5,7 +5,8 @@ variables until it puts them back: a tape open in another thread that read one
 of them would read those values, so the gradient is refused with a
 ``RecomputeError`` naming the step and the variable, before anything is
 written (it was an ``UntrackedWriteError`` about a write the program never
-made, with advice that did not apply).
+made, with advice that did not apply). And its re-run's tape watches what the
+step's reads would have had watched, no more.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import tensorflow as tf
+from oracle import assert_grads_close, modes, run
 
-from assigntape import AssignAwareTape, RecomputeError, unroll
+from assigntape import AssignAwareTape, RecomputeError, checkpointed, unroll
 
 
 def test_gradient_while_another_threads_tape_read_the_variable_is_refused_clearly():
@@ -63,3 +66,35 @@ def test_gradient_while_another_threads_tape_read_the_variable_is_refused_clearl
     w.assign(final)
     for a, e in zip(tape.gradient(y, [w, lr]), expected):
         np.testing.assert_allclose(a.numpy(), e.numpy(), rtol=1e-5)
+
+
+@modes
+@pytest.mark.parametrize("later", [False, True], ids=["raw-only", "read-after"])
+def test_raw_read_through_a_kept_handle_in_the_step_is_watched_as_in_the_loop(mode, later):
+    """(f06) The step reads v only by a raw op through a handle kept from
+    before: TensorFlow's rule (semantics 6d) watches nothing for it, so the
+    loop's dy/dv is None (or, with v read after the step, only that read's
+    3); the re-run's tape watched every touched variable up front and gave
+    5.6 (8.6): it now watches only those the first run read through the
+    variable. (Oracle: the loop without the wrapper.)"""
+
+    def program(wrap):
+        w = tf.Variable([1.0, 2.0])
+        v = tf.Variable(0.5)
+        kept = v.handle
+
+        def step():
+            r = tf.raw_ops.ReadVariableOp(resource=kept, dtype=tf.float32)
+            w.assign(w * r + 0.1)
+
+        def body():
+            with AssignAwareTape() as tape:
+                (checkpointed(step) if wrap else step)()
+                y = tf.reduce_sum(w * w) + (v * 3.0 if later else 0.0)
+            return tape.gradient(y, [v, w])
+
+        return run(mode, body)
+
+    expected = program(False)
+    assert (expected[0] is None) == (not later)
+    assert_grads_close(program(True), expected)
