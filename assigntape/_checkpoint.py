@@ -22,6 +22,7 @@ its boundary, and nothing from inside it.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import tensorflow as tf
@@ -237,7 +238,18 @@ def checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
     name = f"checkpointed({getattr(fn, '__name__', 'fn')})"
 
     @functools.wraps(fn)
-    def call(*args: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            # Named arguments put in their places: the segment keeps (and
+            # watches, and re-runs with) a list of positional ones.
+            bound = inspect.signature(fn).bind(*args, **kwargs)
+            if bound.kwargs:
+                raise TypeError(
+                    f"{name} was given the keyword-only argument(s) {sorted(bound.kwargs)}: a "
+                    "checkpointed step takes arguments it can pass by position. Make them "
+                    "positional (or bind them first: checkpointed(functools.partial(fn, ...)))."
+                )
+            args = bound.args
         return run_segment(name, fn, args)
 
     return call
