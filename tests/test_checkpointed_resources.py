@@ -160,3 +160,34 @@ def test_fingerprints_see_a_permutation():
     x = tf.constant(DATA)
     first, second = fingerprints([], [x, tf.reverse(x, [0])])
     assert not np.allclose(first.numpy(), second.numpy(), rtol=1e-6, atol=0)
+
+
+@modes
+@pytest.mark.parametrize("where", ["called function", "cond branch"])
+def test_iterator_made_before_the_step_read_in_a_called_function_or_branch_is_refused(mode, where):
+    """(f12, f12b) next(it) of an iterator made before the step, inside a
+    tf.function the step calls or a tf.cond branch it builds: the re-run
+    would take the next batch (a silently different gradient, a skipped
+    batch). Refused at the call or cond op, which takes the iterator."""
+    if where == "cond branch" and mode == "eager":
+        pytest.skip("an eager tf.cond runs one branch as Python: next(it) directly in the step, refused before")
+    ds = tf.data.Dataset.from_tensor_slices(tf.constant([[1.0, 2.0], [4.0, 3.0], [2.0, 1.0]]))
+    it = iter(ds)
+    get_batch = tf.function(lambda: next(it))
+    w = tf.Variable(tf.ones([2]))
+
+    def step():
+        if where == "called function":
+            batch = get_batch()
+        else:
+            batch = tf.cond(tf.reduce_sum(w) > 0.0, lambda: next(it), lambda: tf.zeros([2]))
+        w.assign(w * batch)
+
+    def program():
+        with AssignAwareTape() as tape:
+            checkpointed(step)()
+            y = tf.reduce_sum(w)
+        return tape.gradient(y, w)
+
+    with pytest.raises(RecomputeError, match="on a resource made before the step"):
+        run(mode, program)
