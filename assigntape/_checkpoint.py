@@ -221,8 +221,9 @@ def checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
         plain tape's gradient and ``opt.apply_gradients``).
 
     Returns:
-      A callable taking ``fn``'s positional arguments and returning what
-      ``fn`` returns.
+      A callable taking ``fn``'s arguments (keyword ones are put in their
+      places; keyword-only ones are refused) and returning what ``fn``
+      returns.
 
     Example:
 
