@@ -71,17 +71,24 @@ def test_lookup_table_made_before_the_step_is_refused(mode):
         run(mode, program)
 
 
-def _shuffled_program(wrap, seed):
-    """w (ones) <- w * (a batch of DATA shuffled in the step); y = sum(w DATA).
-    Equal elements of w: the written value is a permutation of the first
-    run's if the re-run shuffles otherwise (all of sum, sum |.| and sum of
-    squares kept). Returns dy/dw0 = DATA * batch and w."""
+def _shuffled_program(wrap, seed, queue=False):
+    """w (ones) <- w * (a batch of DATA shuffled in the step: by a dataset's
+    shuffle, or a RandomShuffleQueue); y = sum(w DATA). Equal elements of w:
+    the written value is a permutation of the first run's if the re-run
+    shuffles otherwise (all of sum, sum |.| and sum of squares kept).
+    Returns dy/dw0 = DATA * batch and w."""
     w = tf.Variable(tf.ones([8]))
     data = tf.constant(DATA)
 
+    def shuffled():
+        if queue:
+            q = tf.queue.RandomShuffleQueue(8, 0, tf.float32, shapes=[], seed=seed)
+            q.enqueue_many(data)
+            return q.dequeue_many(8)
+        return next(iter(tf.data.Dataset.from_tensors(data).unbatch().shuffle(8, seed=seed).batch(8)))
+
     def step():
-        ds = tf.data.Dataset.from_tensors(data).unbatch().shuffle(8, seed=seed).batch(8)
-        w.assign(w * next(iter(ds)))
+        w.assign(w * shuffled())
 
     def program():
         with AssignAwareTape() as tape:
@@ -125,31 +132,13 @@ def test_shuffle_with_an_op_seed_made_in_the_step_is_the_loops(mode):
     np.testing.assert_array_equal(got[0].numpy(), np.array(DATA) * got[1].numpy())
 
 
-def _queue_program(wrap, seed):
-    w = tf.Variable(tf.ones([8]))
-    data = tf.constant(DATA)
-
-    def step():
-        q = tf.queue.RandomShuffleQueue(8, 0, tf.float32, shapes=[], seed=seed)
-        q.enqueue_many(data)
-        w.assign(w * q.dequeue_many(8))
-
-    def program():
-        with AssignAwareTape() as tape:
-            (checkpointed(step) if wrap else step)()
-            y = tf.reduce_sum(w * data)
-        return tape.gradient(y, w), tf.identity(w)
-
-    return program
-
-
 @modes
 def test_unseeded_random_shuffle_queue_made_in_the_step_is_refused(mode):
     """(f03b) A RandomShuffleQueue made in the step with no seed dequeues
     another order in the re-run."""
     tf.random.set_seed(None)
     with pytest.raises(RecomputeError, match="RandomShuffleQueueV2.*no seed"):
-        run(mode, _queue_program(True, None))
+        run(mode, _shuffled_program(True, None, queue=True))
 
 
 def test_fingerprints_see_a_permutation():

@@ -25,9 +25,11 @@ from assigntape import AssignAwareTape, RecomputeError, checkpointed, unroll
 W0 = 0.7
 
 
-def _two_steps(w, how):
-    def step():
-        return w.assign(tf.sin(w) * w)
+def _two_steps(w, how, step=None):
+    if step is None:
+
+        def step():
+            return w.assign(tf.sin(w) * w)
 
     if how == "unroll":
         unroll(step, 2, checkpoint_every=2)
@@ -160,12 +162,7 @@ def _lr_program(how, linear):
         w.assign([W0, -0.4])
         lr.assign(lr0)
         with AssignAwareTape() as tape:
-            if how == "unroll":
-                unroll(step, 2, checkpoint_every=2)
-            else:
-                wrapped = checkpointed(step) if how == "checkpointed" else step
-                wrapped()
-                wrapped()
+            _two_steps(w, how, step)
             loss = tf.reduce_sum(w if linear else w * w)
         g = tape.gradient(loss, lr)
         return g, tf.gradients(g, lr)[0]
