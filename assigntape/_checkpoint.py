@@ -22,6 +22,7 @@ its boundary, and nothing from inside it.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import tensorflow as tf
@@ -91,8 +92,11 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
             # would leave the callback, and through it the tapes, behind)
             scope.owners = log
             op_callbacks.add_op_callback(refusals.callback)
-            with tf.variable_creator_scope(refusals.creator):
+            with tf.variable_creator_scope(refusals.creator), record.VariableWatcher() as watcher:
                 result = run(*args)
+            # The variables TensorFlow's tapes would have watched (read through
+            # the variable, not only by a raw op on a kept handle: 6d).
+            accessed = {v._unique_id for v in watcher.watched_variables() if hasattr(v, "_unique_id")}
             error, log.error = log.error, None  # (kept, it would hold its traceback's frames: a cycle)
             if error is not None:
                 try:
@@ -151,6 +155,11 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
     ]
     tensors = [a for a in args if float_tensor(a)]
     segment = Segment(name, run, args, log.touched, inputs, written, float_out)
+    # Read only by a raw op on a kept handle (semantics 6d: TensorFlow watches
+    # nothing for it), not through the variable, and not written: the re-run
+    # does not watch it up front either. (A variable an op writes through its
+    # handle, an optimizer's slot, is tracked by its writes, watched or not.)
+    segment.unwatched = {uid for uid in log.touched if uid not in accessed} - {v._unique_id for v in written}
     segment.prints = fingerprints(written, [flat[i] for i in float_out])
     # Watched as the step's reads would have them watched (the versions at
     # its start), before the new versions are made current.
@@ -212,8 +221,9 @@ def checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
         plain tape's gradient and ``opt.apply_gradients``).
 
     Returns:
-      A callable taking ``fn``'s positional arguments and returning what
-      ``fn`` returns.
+      A callable taking ``fn``'s arguments (keyword ones are put in their
+      places; keyword-only ones are refused) and returning what ``fn``
+      returns.
 
     Example:
 
@@ -229,7 +239,18 @@ def checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
     name = f"checkpointed({getattr(fn, '__name__', 'fn')})"
 
     @functools.wraps(fn)
-    def call(*args: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            # Named arguments put in their places: the segment keeps (and
+            # watches, and re-runs with) a list of positional ones.
+            bound = inspect.signature(fn).bind(*args, **kwargs)
+            if bound.kwargs:
+                raise TypeError(
+                    f"{name} was given the keyword-only argument(s) {sorted(bound.kwargs)}: a "
+                    "checkpointed step takes arguments it can pass by position. Make them "
+                    "positional (or bind them first: checkpointed(functools.partial(fn, ...)))."
+                )
+            args = bound.args
         return run_segment(name, fn, args)
 
     return call

@@ -25,6 +25,7 @@ from assigntape._tf import (
     pywrap_tfe,
     record,
     tensor_lib,
+    tensor_util,
 )
 
 # Stateful ops whose side effect changes no value the step computes with, or
@@ -41,11 +42,6 @@ _HARMLESS = frozenset(
 # Stateful ops that draw random numbers from a state in their kernel: refused
 # also where the rule below would let them pass (a dataset of random numbers).
 _DRAWS = frozenset(["RandomDataset", "ExperimentalRandomDataset", "Skipgram"])
-# Ops that take the next element of an iterator: one made before the step
-# holds a position no variable holds (the re-run would take the next ones).
-_ITERATOR_NEXT = frozenset(
-    ["IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional", "MultiDeviceIteratorGetNextFromShard"]
-)
 # Ops that call a function traced before.
 _CALLS = frozenset(["StatefulPartitionedCall", "PartitionedCall"])
 _RESOURCE = 20  # types_pb2.DT_RESOURCE
@@ -61,10 +57,11 @@ def _hidden_state_op(op_type: str) -> bool:
     - an op that runs functions (``If``, ``While``, ``Case``, a call, a
       dataset's map): stateful only through its bodies, which
       ``_hidden_state_in`` looks into;
-    - a resource's op (it takes or makes one: a variable, whose value the
-      checkpoint holds, such as a tf.random.Generator's state; a table, queue
-      or TensorArray made in the step is made again by the re-run; an iterator
-      made before is ``_ITERATOR_NEXT``'s refusal);
+    - a resource's op (it takes or makes one): which resource it takes is
+      ``Refusals.foreign_resource``'s question (a variable, whose value the
+      checkpoint holds, or one made in the step, made again by the re-run);
+      a resource made in the step that draws a random seed is
+      ``_draws_seed``'s;
     - an op that makes a dataset or a TF1 handle (a variant or string output
       with no other input than values: the re-run makes the same one);
     - ``_HARMLESS``.
@@ -84,6 +81,49 @@ def _hidden_state_op(op_type: str) -> bool:
     if any(a.type == _RESOURCE for a in args):
         return False
     return not any(a.type in (_STRING, _VARIANT) for a in op_def.output_arg)
+
+
+@functools.lru_cache(maxsize=None)
+def _seed_slots(op_type: str) -> Tuple[Optional[Tuple[int, int]], bool]:
+    """Where ``op_type`` takes TensorFlow's pair of seeds (``seed`` and
+    ``seed2``): their input indices, and whether it takes them as attrs."""
+    op_def = op_def_registry.get(op_type)
+    if op_def is None:
+        return None, False
+    names = [a.name for a in op_def.input_arg]
+    if "seed" in names and "seed2" in names:
+        return (names.index("seed"), names.index("seed2")), False
+    return None, {"seed", "seed2"} <= {a.name for a in op_def.attr}
+
+
+def _draws_seed(seeds: Sequence[Any]) -> bool:
+    """Whether an op given ``seeds`` (its seed and seed2, None where not
+    known when the op is built) draws a random seed: TensorFlow's convention
+    for both zero (no op seed and no global seed), in a shuffle's seed
+    generator, a RandomShuffleQueue, a dataset's shuffle. A seed the re-run
+    gets otherwise (an op seed counted from the global seed, whose counter
+    moves on) is found by the re-run check's order-sensitive fingerprint."""
+    return all(s is not None and int(s) == 0 for s in seeds)
+
+
+@functools.lru_cache(maxsize=None)
+def _stateful(op_type: str) -> bool:
+    op_def = op_def_registry.get(op_type)
+    return op_def is None or bool(op_def.is_stateful)
+
+
+def _ignores_foreign(op_type: str, has_outputs: bool) -> bool:
+    """An op that may take a resource made before the step and changes no
+    value the step computes with: a deletion (of an object collected during
+    the step), a summary written to a file."""
+    return (
+        op_type in _HARMLESS or op_type.startswith(("Delete", "Destroy")) or ("Summary" in op_type and not has_outputs)
+    )
+
+
+def _text(name: Any) -> str:
+    """An op's type or attr name as TensorFlow's eager callbacks give it (bytes)."""
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def _function_def(name: str) -> Any:
@@ -217,12 +257,17 @@ class Refusals:
         if not self.running_here():
             return outputs
         if graph is None:  # (a graph's ops: looked at once it is built, ``scan``)
+            op_type = _text(op_type)
             found = _hidden_state_in(op_type, (), set())  # (a function: its name)
-            iterator = inputs[0] if op_type in _ITERATOR_NEXT and inputs else None
-            if found is None and iterator is not None and not self.made(iterator):
-                found = op_type
             if found is not None:
                 self.refuse_hidden_state(found)
+            resources = [t for t in inputs or () if isinstance(t, tensor_lib.Tensor) and t.dtype == dtypes.resource]
+            self.foreign_resource(op_type, [t for t in resources if not self.made(t)], bool(outputs))
+            slots, in_attrs = _seed_slots(op_type)
+            named = {_text(k): v for k, v in zip(attrs[::2], attrs[1::2])} if in_attrs and attrs else {}
+            seeds = [inputs[i].numpy() for i in slots] if slots else [named.get("seed"), named.get("seed2")]
+            if (slots or in_attrs) and _draws_seed(seeds):
+                self.refuse_seed(op_type)
         if graph is not self.key:
             return outputs  # a function traced meanwhile: its own graph
         for t in inputs or ():
@@ -254,11 +299,39 @@ class Refusals:
         """``t`` was given to the step or made by it."""
         return _key(t) in self.inside or (isinstance(t, ops.EagerTensor) and t._id >= self.first_id)
 
+    def foreign_resource(self, op_type: str, resources: List[Any], has_outputs: bool) -> None:
+        """Refuses ``op_type`` on a resource (of ``resources``: those not
+        made in the step) that is not a variable's: a queue, table, iterator
+        or seed generator made before the step, whose state no checkpoint
+        holds (the re-run would see it changed, or wait on an empty queue)."""
+        if not _stateful(op_type.split(" ")[0]) or _ignores_foreign(op_type, has_outputs):
+            return  # (an op that is not stateful changes no resource: an identity of a handle)
+        for t in resources:
+            if _variable_of(t, self.log) is None:
+                raise RecomputeError(
+                    f"{self.name} ran the op {op_type} on a resource made before the step that no "
+                    "variable holds (a queue, a lookup table, an iterator, a seed generator): its "
+                    "state changes as the step runs, so the re-run in the backward pass would see "
+                    "another state (another element, an updated entry) or wait forever on an "
+                    "emptied queue: a silently different gradient, or a hang. Take the values "
+                    "outside the step and pass them in as tensors (checkpointed(step)(q.dequeue()), "
+                    "checkpointed(step)(next(it)), a table's lookup), or keep the state in a variable."
+                )
+
+    def refuse_seed(self, op_type: str) -> None:
+        raise RecomputeError(
+            f"{self.name} ran the op {op_type} with no seed (seed = seed2 = 0: TensorFlow draws a "
+            "random one): its re-run in the backward pass would draw another (another shuffle "
+            "order), a silently different gradient. Give it an op seed "
+            "(dataset.shuffle(n, seed=1), tf.queue.RandomShuffleQueue(..., seed=1)), or shuffle "
+            "outside the step and pass the batch in."
+        )
+
     def refuse_hidden_state(self, found: str) -> None:
         raise RecomputeError(
             f"{self.name} ran the stateful op {found}, whose result depends on a state no variable "
-            "holds (a random op's or a candidate sampler's kernel state, the position of an iterator "
-            "made before the step, a value received from outside the step): its re-run "
+            "holds (a random op's or a candidate sampler's kernel state, a value received from "
+            "outside the step): its re-run "
             "in the backward pass would get other values, a silently different gradient. Draw from "
             "a tf.random.Generator, a Keras SeedGenerator, or a stateless op "
             "(tf.random.stateless_uniform) whose seed is a variable or an argument; pass the batch "
@@ -273,12 +346,19 @@ class Refusals:
         inside = {id(op) for op in made}
         for op in made:
             found = _hidden_state_in(op.type, list(op.node_def.attr.values()), set())
-            source = op.inputs[0].op if op.type in _ITERATOR_NEXT else None
-            # (an iterator from outside: a capture, whose placeholder may be new)
-            if found is None and source is not None and (source.type == "Placeholder" or id(source) not in inside):
-                found = op.type
             if found is not None:
                 self.refuse_hidden_state(f"{found} ({op.name})")
+            # (a resource from outside: a capture, whose placeholder may be new)
+            origins = [_origin(t) for t in op.inputs if t.dtype == dtypes.resource]
+            foreign = [t for t in origins if t.op.type == "Placeholder" or id(t.op) not in inside]
+            self.foreign_resource(f"{op.type} ({op.name})", foreign, bool(op.outputs))
+            slots, in_attrs = _seed_slots(op.type)
+            if slots:
+                seeds = [tensor_util.constant_value(op.inputs[i]) for i in slots]
+            else:
+                seeds = [op.get_attr("seed"), op.get_attr("seed2")] if in_attrs else []
+            if seeds and _draws_seed(seeds):
+                self.refuse_seed(f"{op.type} ({op.name})")
             if op.type in _CALLS:
                 # A variable a called function reads through its captures: no
                 # graph op callback sees the call, nor (the tapes paused) does
@@ -332,6 +412,14 @@ def _variable_of(handle: Any, log: TouchLog) -> Optional[Any]:
             if inside is handle:
                 return _versions.variable_of_handle(outside)
     return var
+
+
+def _origin(t: Any) -> Any:
+    """A graph's resource tensor, back through the identities it passed
+    (a strategy's, a function's): the handle as made or captured."""
+    while t.op.type in ("Identity", "IdentityN") and t.op.inputs:
+        t = t.op.inputs[t.value_index if t.op.type == "IdentityN" else 0]
+    return t
 
 
 def _key(t: Any) -> int:

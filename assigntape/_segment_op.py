@@ -15,9 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import numpy as np
 import tensorflow as tf
 
-from assigntape import _registry
-from assigntape._errors import RecomputeError
-from assigntape._segment_checks import Refusals, TouchLog, assign, float_tensor, read, remove_callback
+from assigntape import _registry, _threads
+from assigntape._errors import RecomputeError, UntrackedWriteError
+from assigntape._segment_checks import Refusals, TouchLog, assign, float_tensor, is_float, read, remove_callback
 from assigntape._tape import AssignAwareTape
 from assigntape._tf import indexed_slices, nest, op_callbacks, ops, record, tensor_lib
 
@@ -49,6 +49,8 @@ class Segment:
         # The recorded op's outputs: a tape that saw the segment reaches its
         # sources through them (``_refuse_second_order``).
         self.ends: List[Any] = []
+        # Variables the re-run's tape does not watch up front (``TouchLog.raw``).
+        self.unwatched: Set[str] = set()
 
     def backward(self, *upstream: Any) -> List[Any]:
         """The gradients for the recorded op's inputs (the versions of
@@ -62,18 +64,35 @@ class Segment:
         for r in paused:
             r.pause()
         try:
+            self._refuse_other_threads()
             saved = [(var, read(var)) for var, _ in self.touched.values()]
             try:
                 grads = self._differentiate(upstream)
             finally:
                 for var, value in saved:
                     assign(var, value)
+        except UntrackedWriteError as error:
+            # (a tape opened in another thread meanwhile, or one reading a
+            # variable the check above could not name)
+            raise RecomputeError(_other_thread_message(self.name, str(error))) from error
         finally:
             for r in reversed(paused):
                 r.resume()
             if outer is not None:
                 scopes[key] = outer
         return self._refuse_second_order(grads, upstream)
+
+    def _refuse_other_threads(self) -> None:
+        """Refuses the backward pass, before it writes anything, if a tape
+        open in another thread has read or written a variable the segment
+        touched: the re-run writes the checkpoint and the step's values into
+        the live variables (the write would be refused anyway, as a write
+        from another thread, with advice that does not apply here)."""
+        for var, _ in self.touched.values():
+            if _threads.tracked_in_other_thread(var.__dict__["_handle"], var) is not None and is_float(var.dtype):
+                raise RecomputeError(
+                    _other_thread_message(self.name, f"an AssignAwareTape open in another thread read {var.name!r}")
+                )
 
     def _refuse_second_order(self, grads: List[Any], upstream: Sequence[Any]) -> List[Any]:
         """``grads`` through an identity whose own gradient (and tangent)
@@ -84,16 +103,20 @@ class Segment:
         or on ``upstream``, and would get a silently wrong (often None) second
         derivative. Recorded where a recorder reaches the identity's inputs
         (the gradients flowing in, the segment's outputs): a first-order
-        gradient never differentiates it."""
+        gradient never differentiates it. In a graph always: ``tf.gradients``
+        (symbolic, no recorder) may differentiate the gradient's graph later,
+        and its walk reaches the identity through the re-run's reads of the
+        variables, whose handles are the sources it is given."""
         given = [g for g in grads if g is not None]
-        if not given or not record.could_possibly_record():
+        recording = record.could_possibly_record()
+        if not given or (not recording and tf.executing_eagerly()):
             return grads
         refuse = functools.partial(_refuse_second_order, self.name)
         # The written variables' new versions are handles: connected on the
         # tapes only (TensorFlow's forward mode takes no resource input; an
         # accumulator entered after the segment gives them no tangent anyway).
         handles = [t for t in self.ends if not float_tensor(t)]
-        if handles:
+        if handles and recording:
             with record.stop_recording():
                 passed = [tf.identity(g) for g in given]
             record.record_operation_backprop_only(_SECOND_ORDER, passed, [*given, *handles], refuse)
@@ -121,7 +144,8 @@ class Segment:
             assert scope is not None
             log = scope.owners = TouchLog(scope.owners, scope.key)
             for var in self.inputs:
-                tape.watch(var)
+                if var._unique_id not in self.unwatched:
+                    tape.watch(var)
             tape.watch(tensors)
             notes = Refusals(self.name, [], self.args, log, scope.key)
             result = _run_noted(notes, self.run, self.args)
@@ -184,7 +208,7 @@ class Segment:
                 "tf.random.Generator or a seed variable, pass data as arguments."
             )
             with record.stop_recording():
-                tol = _rtol(dtype) * tf.stack([first[1], first[1], first[2]]) + _TINY
+                tol = _rtol(dtype) * tf.stack([first[1], first[1], first[2], first[1]]) + _TINY
                 # Equal covers infinities (inf - inf is NaN); a NaN anywhere, no check.
                 close = tf.equal(first, second) | (tf.abs(first - second) <= tol)
                 same = tf.reduce_all(close) | tf.reduce_any(tf.math.is_nan(first))
@@ -214,15 +238,25 @@ def _run_noted(notes: Refusals, run: Callable[..., Any], args: Sequence[Any]) ->
         remove_callback(notes.callback)
 
 
+def _other_thread_message(name: str, found: str) -> str:
+    return (
+        f"{name}: its gradient runs the step again, writing its checkpoint and the step's values "
+        f"into the variables it touched until the backward pass puts them back, but {found}: "
+        "that tape would read the values written meanwhile. Take the gradient when no other "
+        "thread's tape reads these variables (synchronize the threads), or call the step without "
+        "checkpointed / unroll there."
+    )
+
+
 _SECOND_ORDER = "CheckpointedGradient"
 
 
 def _refuse_second_order(name: str, *_: Any, **__: Any) -> Any:
     raise RecomputeError(
         f"{name}: a gradient through this segment is being differentiated again (a second-order "
-        "derivative: a tape or tape.jacobian around the gradient's computation, or a "
-        "ForwardAccumulator over it). The segment's re-run in the backward pass is recorded by no "
-        "tape around it, so that derivative would be wrong. Call the step without checkpointed / "
+        "derivative: a tape or tape.jacobian around the gradient's computation, tf.gradients of "
+        "it, or a ForwardAccumulator over it). The segment's re-run in the backward pass is "
+        "recorded by no tape around it, so that derivative would be wrong. Call the step without checkpointed / "
         "unroll where a second-order derivative is taken (or take it by finite differences of "
         "the gradient)."
     )
@@ -230,15 +264,19 @@ def _refuse_second_order(name: str, *_: Any, **__: Any) -> Any:
 
 def fingerprints(variables: List[Any], tensors: List[Any]) -> List[Any]:
     """Per value (each variable's now, then each tensor), float64 [sum,
-    sum of absolute values, sum of squares]: O(1) memory, the same for the
-    same bits."""
+    sum of absolute values, sum of squares, sum weighted by position]: O(1)
+    memory kept, the same for the same bits. The weights (sin(i + 1), at most
+    1 in size: the tolerance of the sum of absolute values holds) make it
+    see an order: a permutation (a shuffle drawn again) keeps the other three."""
     found: List[Any] = []
     with record.stop_recording():
         for x in [read(v) for v in variables] + list(tensors):
             if x.dtype.is_complex:
                 x = tf.concat([tf.reshape(tf.math.real(x), [-1]), tf.reshape(tf.math.imag(x), [-1])], 0)
-            x = tf.cast(x, tf.float64)
-            found.append(tf.stack([tf.reduce_sum(x), tf.reduce_sum(tf.abs(x)), tf.reduce_sum(x * x)]))
+            x = tf.reshape(tf.cast(x, tf.float64), [-1])
+            weights = tf.sin(tf.range(1, tf.size(x, tf.int64) + 1, dtype=tf.float64))
+            sums = [tf.reduce_sum(x), tf.reduce_sum(tf.abs(x)), tf.reduce_sum(x * x), tf.reduce_sum(x * weights)]
+            found.append(tf.stack(sums))
     return found
 
 

@@ -25,9 +25,11 @@ from assigntape import AssignAwareTape, RecomputeError, checkpointed, unroll
 W0 = 0.7
 
 
-def _two_steps(w, how):
-    def step():
-        return w.assign(tf.sin(w) * w)
+def _two_steps(w, how, step=None):
+    if step is None:
+
+        def step():
+            return w.assign(tf.sin(w) * w)
 
     if how == "unroll":
         unroll(step, 2, checkpoint_every=2)
@@ -141,3 +143,68 @@ def test_first_order_gradients_with_a_tape_recording_the_backward_pass_are_the_l
     w = tf.Variable(W0, dtype=tf.float64)
     expected = run(mode, lambda: program("loop"))
     assert_grads_close(run(mode, lambda: program(how)), expected, rtol=1e-10)
+
+
+def _lr_program(how, linear):
+    """A tf.function: two steps w <- w - lr sin(w) x from w0 = [0.7, -0.4]
+    (``lr`` read, never written: ``tf.gradients`` may take it as a source
+    after the tape), the loss, the tape's gradient with respect to lr and
+    tf.gradients of that gradient with respect to lr."""
+    w = tf.Variable([W0, -0.4], dtype=tf.float64)
+    lr = tf.Variable(0.3, dtype=tf.float64)
+    x = tf.constant([0.5, -1.5], tf.float64)
+
+    def step():
+        return w.assign(w - lr * tf.sin(w) * x)
+
+    @tf.function
+    def program(lr0):
+        w.assign([W0, -0.4])
+        lr.assign(lr0)
+        with AssignAwareTape() as tape:
+            _two_steps(w, how, step)
+            loss = tf.reduce_sum(w if linear else w * w)
+        g = tape.gradient(loss, lr)
+        return g, tf.gradients(g, lr)[0]
+
+    return program
+
+
+@pytest.mark.parametrize("how", ["checkpointed", "unroll"])
+@pytest.mark.parametrize("linear", [False, True], ids=["square", "linear"])
+def test_tf_gradients_of_a_gradient_through_a_segment_is_refused(how, linear):
+    """``tf.gradients`` (symbolic: no tape or accumulator records) of a
+    tape's gradient inside a tf.function: the same refusal (it was silently
+    the derivative of the backward pass without the re-run's dependence)."""
+    program = _lr_program(how, linear)
+    with pytest.raises(RecomputeError, match=rf"{how}\(step\).*second-order"):
+        program(tf.constant(0.3, tf.float64))
+
+
+@pytest.mark.parametrize("linear", [False, True], ids=["square", "linear"])
+def test_the_loop_tf_gradients_second_derivative(linear):
+    """(What the refusal stands in for: the loop's second derivative by
+    tf.gradients, nonzero, against central differences of its gradient.)"""
+    program = _lr_program("loop", linear)
+    h = 1e-5
+    up, down = (float(program(tf.constant(0.3 + d, tf.float64))[0]) for d in (h, -h))
+    second = float(program(tf.constant(0.3, tf.float64))[1])
+    assert abs(second) > 1e-3
+    np.testing.assert_allclose(second, (up - down) / (2 * h), rtol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["checkpointed", "unroll"])
+def test_first_order_gradients_in_a_function_are_the_loops(how):
+    """First order in a tf.function (where the guard is now always built):
+    the tape's gradients with respect to lr and w0 are the loop's."""
+    w = tf.Variable(W0, dtype=tf.float64)
+
+    @tf.function
+    def program(how):
+        w.assign(W0)
+        with AssignAwareTape() as tape:
+            _two_steps(w, how)
+            loss = _loss(w, False)
+        return tape.gradient(loss, w), loss
+
+    assert_grads_close(program(how), program("loop"), rtol=1e-10)
