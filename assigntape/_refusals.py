@@ -14,6 +14,7 @@ from typing import Any, List, Optional, Sequence
 from assigntape._errors import GraphWriteOrderError, UntrackedWriteError
 from assigntape._record import WriteRecord
 from assigntape._registry import _all_lock, _check_reads, _enclosing_scope, _tls, _with_unnamed
+from assigntape._resuming import first_touch
 from assigntape._tf import (
     dtypes,
     executing_eagerly,
@@ -45,7 +46,7 @@ def refuse_or_cut(scopes: List[Scope], var: Any, what: str, message: str) -> Non
 def cut(scopes: List[Scope], var: Any, what: str, after: Any = None) -> None:
     """After a write ``refuse_or_cut`` let through: a new version, no gradient path."""
     for scope in scopes:
-        old = scope.current_version(var)
+        old = first_touch(scope, var)
         scope.advance(var, old, new_version(old, after), WriteRecord(what, cut=True))
 
 

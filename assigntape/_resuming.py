@@ -289,6 +289,21 @@ def forget_closed_writes(recorder: Any) -> None:
             closed_at_write[:] = [r for r in closed_at_write if not r.stands_for(recorder)]
 
 
+def first_touch(scope: Scope, var: Any) -> Any:
+    """The version a write to ``var`` in ``scope`` replaces. Where no read
+    was served here since a tape was entered again (the write made in a
+    ``tf.data`` or ``tf.function`` graph, through a handle captured there),
+    the version the scope goes on from lazily becomes current first, as that
+    read would have made it (``cut_on_first_read``): else the pending entry
+    outlived the write, and the next read made the older version current
+    again, over the write's (a silently wrong gradient)."""
+    if scope.dirty and var._unique_id not in scope.current:
+        own = canonical_handle(var)
+        if id(own) in scope.dirty:
+            return cut_on_first_read(scope, var, own)
+    return scope.current_version(var)
+
+
 def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
     """The first read, in ``scope``, of a variable written while a tape of it was
     closed and not otherwise known to that tape: a new version, with no gradient

@@ -97,7 +97,7 @@ def write_here(
 ) -> Any:
     """A write in the tape's own graph, or eagerly: ``run(**arguments)`` writes,
     then the new version is made and recorded, and becomes current."""
-    old = scope.current_version(var)
+    old = _resuming.first_touch(scope, var)
     write = rule.prepare(var, old, arguments)
     old_shape = None if var.shape.is_fully_defined() else _resolve.dynamic_shape(old)
     forward = _forward_value(rule, var, old, write, arguments, scope.key is None)

@@ -426,6 +426,26 @@ def test_random_programs_with_tape_events(program):
         ),
     )
 )
+# Found by the thorough profile: the tape exited and entered again, a write
+# in a tf.data map (cut), then a read through a tf.function made after it,
+# which made the version from before the write current again.
+@example(
+    program=Program(
+        shapes=((), (), ()),
+        dtypes=("float32", "float32", "complex128"),
+        n_params=1,
+        seed=0,
+        keras=(True, True, False),
+        statements=(
+            ("write", 0, "assign", ("var", 0, 0), ("var", 0, 0), "add", "half"),
+            ("event", "pause", False),
+            ("event", "resume", False),
+            ("fn_write", 0, "assign", ("var", 1, 0), ("param", 0, 0), "add", "half"),
+            ("read", ("var", 0, 0), "half"),
+            ("read", ("var", 0, 4), "half"),
+        ),
+    )
+)
 def test_random_programs_with_tape_events_and_writes_in_functions(program):
     program.check()
 

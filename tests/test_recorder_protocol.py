@@ -197,3 +197,33 @@ def test_a_tape_entered_again_beside_one_that_goes_on_from_the_write_it_missed(m
 
     g2, none, g_last = run(mode, body)
     assert (float(g2), bool(none), float(g_last)) == (64.0, True, 16.0)
+
+
+@pytest.mark.parametrize("where", ["tf.data map", "tf.function"])
+@pytest.mark.parametrize("read", ["eager", "tf.function made after"])
+def test_a_cut_write_out_of_sight_after_reentry_is_not_undone_by_the_next_read(where: str, read: str) -> None:
+    """A tape exited and entered again goes on lazily from its version of v;
+    a write made where no read is served to it (a tf.data map, a tf.function
+    called eagerly; untracked_writes='cut') is a new version with no path.
+    The next read must see that version, not the one the tape went on from
+    (found by the thorough profile: dy/dv0 0.5). The rewrite:
+    v1 = v0 (recorded), v2 = stop_gradient(w / 2), y = v2 / 2:
+    dy/dv0 = None, dy/dw = None, y = 0.5."""
+    v, w = tf.Variable(1.0), tf.Variable(2.0)
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    options.experimental_optimization.inject_prefetch = False
+    tape = AssignAwareTape(persistent=True, untracked_writes="cut")
+    with tape:
+        v.assign((tf.identity(v) + tf.identity(v)) * 0.5)
+    with tape, pytest.warns(UserWarning, match="no gradient flows"):
+        value = tf.identity(w) * 0.5
+        if where == "tf.data map":
+            for _ in tf.data.Dataset.from_tensors(value).map(lambda x: (v.assign(x), x)[1]).with_options(options):
+                pass
+        else:
+            tf.function(lambda x: v.assign(x))(value)
+        y = (tf.function(lambda: tf.convert_to_tensor(v) * 1.0)() if read != "eager" else v * 1.0) * 0.5
+    assert float(y) == 0.5
+    assert tape.gradient(y, v) is None
+    assert tape.gradient(y, w) is None
