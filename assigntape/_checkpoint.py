@@ -22,7 +22,7 @@ its boundary, and nothing from inside it.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -119,6 +119,7 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
         for r in reversed(paused):
             r.resume()
     after = dict(scope.current)
+    wrote = {uid: _wrote(paused, lengths, uid) for uid in log.touched}
     _forget_inner_versions(scope, before, paused, lengths)
     for var, _ in log.touched.values():
         own = _versions.canonical_handle(var)
@@ -138,7 +139,7 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
             continue
         inputs.append(var)
         starts.append(entry.get(uid, _versions.canonical_handle(var)))
-        if after.get(uid) is not entry.get(uid):
+        if after.get(uid) is not entry.get(uid) if wrote[uid] is None else wrote[uid]:
             written.append(var)
     flat = nest.flatten(result)
     # A returned tensor that existed before the step (an argument, one it
@@ -163,6 +164,24 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
     for var, end in zip(written, ends):
         scope.advance(var, scope.current_version(var), end, WriteRecord(_WRITE))
     return result
+
+
+def _wrote(records: List[Any], lengths: List[Dict[str, int]], uid: str) -> Optional[bool]:
+    """Whether the segment wrote the variable of ``uid``: a write noted on
+    the paused tapes' records since the segment's start (``lengths``). Not
+    the version its first read made of a variable written while a tape here
+    was closed, or that a tape entered again goes on from
+    (``cut_on_first_read``, rule 6): a read, whose version is the segment's
+    start, not its end. None where no record keeps its writes."""
+    for r, known in zip(records, lengths):
+        if r.keeps_history:
+            new = r.writes.get(uid, [])[max(known.get(uid, 0) - 1, 0) :]
+            return any(w.op not in _RESOLVES for w in new)
+    return None
+
+
+# What ``cut_on_first_read`` notes on a record for the version it makes.
+_RESOLVES = frozenset([_resuming.CLOSED_WRITE.op, "Identity"])
 
 
 def _restore(scope: _versions.Scope, owners: Dict[int, Any], callback: Any) -> None:
