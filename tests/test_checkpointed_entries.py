@@ -77,3 +77,59 @@ def test_tape_entered_again_after_a_write_of_a_variable_the_step_reads(mode, wra
 
     want, got = gradient("loop"), gradient(wrap)
     assert_grads_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def _noise(kind):
+    """A tf.function the step calls that changes a variable it captures by an
+    op that is no write: a generator's draw, an int counter's assign_add, a
+    Keras Dropout's seed generator; and how to put that state back."""
+    if kind == "generator":
+        gen = tf.random.Generator.from_seed(3)
+        return tf.function(lambda w: w + gen.normal([2], dtype=tf.float64)), lambda: gen.reset_from_seed(3)
+    if kind == "counter":
+        k = tf.Variable(0, dtype=tf.int64)
+
+        @tf.function
+        def decay(w):
+            k.assign_add(1)
+            return w * 0.5 ** tf.cast(k, tf.float64)
+
+        return decay, lambda: k.assign(0)
+    import keras
+
+    layer = keras.layers.Dropout(0.5, seed=5, dtype="float64")
+    state = layer.seed_generator.state
+    start = state.numpy()
+    return tf.function(lambda w: layer(w, training=True)), lambda: state.assign(start)
+
+
+@modes
+@pytest.mark.parametrize("wrap", ["unroll", "checkpointed"])
+@pytest.mark.parametrize("kind", ["generator", "counter", "dropout"])
+def test_state_a_called_function_changes_is_copied_before_the_call(mode, wrap, kind):
+    """The step calls a tf.function that changes a variable it captures (the
+    documented way to carry randomness): the checkpoint has that variable's
+    value from before the call, so the re-run draws the same numbers (eagerly
+    the copy was taken after the call: a false RecomputeError "a state no
+    variable holds"). The oracle is the loop without the wrappers."""
+    noisy, reset = _noise(kind)
+
+    def gradient(wrap):
+        reset()
+        w = tf.Variable([1.0, -2.0], dtype=tf.float64)
+        lr = tf.Variable(0.1, dtype=tf.float64)
+        x = tf.constant([0.5, -1.5], dtype=tf.float64)
+
+        def step():
+            w.assign(w - lr * tf.sin(noisy(w)) * x)
+
+        def program():
+            with AssignAwareTape() as tape:
+                _segments(step, wrap)
+                y = tf.reduce_sum(w * w)
+            return tape.gradient(y, [w, lr])
+
+        return run(mode, program)
+
+    want, got = gradient("loop"), gradient(wrap)
+    assert_grads_close(got, want, rtol=1e-10, atol=1e-12)
