@@ -22,6 +22,7 @@ its boundary, and nothing from inside it.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -231,8 +232,11 @@ def checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
         plain tape's gradient and ``opt.apply_gradients``).
 
     Returns:
-      A callable taking ``fn``'s positional arguments and returning what
-      ``fn`` returns.
+      A callable taking ``fn``'s arguments that can be given by position,
+      by position or by name (``fn`` is called with them by position, a
+      parameter left out before one named with its default), and returning
+      what ``fn`` returns. A keyword-only argument is a ``TypeError``: wrap
+      a function that passes it (``checkpointed(lambda x: fn(x, c=c))``).
 
     Example:
 
@@ -246,9 +250,50 @@ def checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
     -7.68
     """
     name = f"checkpointed({getattr(fn, '__name__', 'fn')})"
+    try:
+        signature: Optional[inspect.Signature] = inspect.signature(fn)
+    except (TypeError, ValueError):  # (a callable Python cannot describe: positional only)
+        signature = None
 
     @functools.wraps(fn)
-    def call(*args: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            args = _positional(name, signature, args, kwargs)
         return run_segment(name, fn, args)
 
+    if signature is not None:
+        # What the wrapper takes: ``fn``'s parameters that can be given by position.
+        call.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[p for p in signature.parameters.values() if p.kind not in _KEYWORD_ONLY]
+        )
     return call
+
+
+_KEYWORD_ONLY = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD)
+
+
+def _positional(name: str, signature: Optional[inspect.Signature], args: Any, kwargs: Dict[str, Any]) -> Any:
+    """``args`` and ``kwargs`` bound to ``signature`` as the step's
+    positional arguments (a parameter left out before one given: its
+    default): the segment and its re-run call the step with positional
+    arguments only. A TypeError for what cannot be given by position."""
+    fix = "pass them by position, or wrap a function that takes them so: checkpointed(lambda x: step(x, c=c))"
+    if signature is None:
+        raise TypeError(f"{name} takes positional arguments only (got {sorted(kwargs)}): {fix}.")
+    try:
+        given = signature.bind(*args, **kwargs).arguments
+    except TypeError as error:
+        raise TypeError(f"{name}: {error}") from None
+    params = signature.parameters.values()
+    refused = sorted(p.name for p in params if p.kind in _KEYWORD_ONLY and p.name in given)
+    if refused:
+        raise TypeError(f"{name} passes the step's arguments by position: it cannot pass {refused}; {fix}.")
+    positional = [p for p in params if p.kind not in _KEYWORD_ONLY]
+    last = max(i for i, p in enumerate(positional) if p.name in given)
+    found: List[Any] = []
+    for p in positional[: last + 1]:
+        if p.kind == inspect.Parameter.VAR_POSITIONAL:
+            found.extend(given.get(p.name, ()))
+        else:
+            found.append(given[p.name] if p.name in given else p.default)
+    return tuple(found)

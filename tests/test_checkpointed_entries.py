@@ -5,6 +5,8 @@ gradients of the same calls without the wrappers (the oracle).
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import tensorflow as tf
 from oracle import assert_grads_close, modes, run
@@ -133,3 +135,52 @@ def test_state_a_called_function_changes_is_copied_before_the_call(mode, wrap, k
 
     want, got = gradient("loop"), gradient(wrap)
     assert_grads_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@modes
+def test_arguments_by_name_are_given_by_position(mode):
+    """``checkpointed(step)(x, c=...)`` calls ``step(x, b's default, c)``
+    and its re-run the same (a TypeError naming ``step`` before): the
+    gradient is the loop's, for a watched tensor given by name too."""
+    w = tf.Variable([1.0, 2.0], dtype=tf.float64)
+    lr = tf.Variable(0.1, dtype=tf.float64)
+    x0 = tf.constant([0.5, -1.5], dtype=tf.float64)
+
+    def step(x, b=2.0, c=1.0):
+        w.assign(w - lr * tf.sin(w * x) * b * c)
+        return tf.reduce_sum(w * x)
+
+    def gradient(call):
+        def program():
+            w.assign([1.0, 2.0])
+            with AssignAwareTape() as tape:
+                tape.watch(x0)
+                out = call(x0, c=tf.constant(3.0, tf.float64)) + call(x=x0 * 2.0)
+                y = tf.reduce_sum(w * w) + out
+            return tape.gradient(y, [w, lr, x0])
+
+        return run(mode, program)
+
+    assert_grads_close(gradient(checkpointed(step)), gradient(step), rtol=1e-10, atol=1e-12)
+    # Outside every tape, the same call.
+    w.assign([1.0, 2.0])
+    want = float(step(x0, 2.0, 3.0))
+    w.assign([1.0, 2.0])
+    assert float(checkpointed(step)(x=x0, c=3.0)) == want
+
+
+def test_keyword_only_arguments_are_refused_and_not_in_the_signature():
+    """The wrapper passes arguments by position: a keyword-only one is a
+    TypeError that says so (and what to do), and its signature lists only
+    what it can pass; a name ``step`` does not take names ``checkpointed``."""
+
+    def step(a, b=1.0, *, c=2.0):
+        return a * b * c
+
+    wrapped = checkpointed(step)
+    assert list(inspect.signature(wrapped).parameters) == ["a", "b"]
+    with pytest.raises(TypeError, match=r"checkpointed\(step\) passes the step's arguments by position.*\['c'\]"):
+        wrapped(1.0, c=3.0)
+    with pytest.raises(TypeError, match=r"checkpointed\(step\): .*'d'"):
+        wrapped(1.0, d=3.0)
+    assert wrapped(1.0, b=4.0) == 8.0
