@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from assigntape import _registry, _resuming, _versions, _writes
 from assigntape._errors import RecomputeError
-from assigntape._record import WriteRecord
+from assigntape._record import CLOSED_WRITE, WriteRecord
 from assigntape._segment_checks import Refusals, TouchLog, assign, float_tensor, is_float, remove_callback
 from assigntape._segment_op import Segment, fingerprints
 from assigntape._tf import forwardprop, nest, op_callbacks, ops, pywrap_tfe, record
@@ -123,6 +123,7 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
         for r in reversed(paused):
             r.resume()
     after = dict(scope.current)
+    wrote = {uid: _wrote(paused, lengths, uid) for uid in log.touched}
     _forget_inner_versions(scope, before, paused, lengths)
     for var, _ in log.touched.values():
         own = _versions.canonical_handle(var)
@@ -142,7 +143,7 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
             continue
         inputs.append(var)
         starts.append(entry.get(uid, _versions.canonical_handle(var)))
-        if after.get(uid) is not entry.get(uid):
+        if after.get(uid) is not entry.get(uid) if wrote[uid] is None else wrote[uid]:
             written.append(var)
     flat = nest.flatten(result)
     # A returned tensor that existed before the step (an argument, one it
@@ -172,6 +173,24 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
     for var, end in zip(written, ends):
         scope.advance(var, scope.current_version(var), end, WriteRecord(_WRITE))
     return result
+
+
+def _wrote(records: List[Any], lengths: List[Dict[str, int]], uid: str) -> Optional[bool]:
+    """Whether the segment wrote the variable of ``uid``: a write noted on
+    the paused tapes' records since the segment's start (``lengths``). Not
+    the version its first read made of a variable written while a tape here
+    was closed, or that a tape entered again goes on from
+    (``cut_on_first_read``, rule 6): a read, whose version is the segment's
+    start, not its end. None where no record keeps its writes."""
+    for r, known in zip(records, lengths):
+        if r.keeps_history:
+            new = r.writes.get(uid, [])[max(known.get(uid, 0) - 1, 0) :]
+            return any(w.op not in _RESOLVES for w in new)
+    return None
+
+
+# What ``cut_on_first_read`` notes on a record for the version it makes.
+_RESOLVES = frozenset([CLOSED_WRITE.op, "Identity"])
 
 
 def _restore(scope: _versions.Scope, owners: Dict[int, Any], callback: Any) -> None:
@@ -221,9 +240,11 @@ def checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
         plain tape's gradient and ``opt.apply_gradients``).
 
     Returns:
-      A callable taking ``fn``'s arguments (keyword ones are put in their
-      places; keyword-only ones are refused) and returning what ``fn``
-      returns.
+      A callable taking ``fn``'s arguments that can be given by position,
+      by position or by name (``fn`` is called with them by position, a
+      parameter left out before one named with its default), and returning
+      what ``fn`` returns. A keyword-only argument is a ``TypeError``: wrap
+      a function that passes it (``checkpointed(lambda x: fn(x, c=c))``).
 
     Example:
 
@@ -237,20 +258,50 @@ def checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
     -7.68
     """
     name = f"checkpointed({getattr(fn, '__name__', 'fn')})"
+    try:
+        signature: Optional[inspect.Signature] = inspect.signature(fn)
+    except (TypeError, ValueError):  # (a callable Python cannot describe: positional only)
+        signature = None
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
-            # Named arguments put in their places: the segment keeps (and
-            # watches, and re-runs with) a list of positional ones.
-            bound = inspect.signature(fn).bind(*args, **kwargs)
-            if bound.kwargs:
-                raise TypeError(
-                    f"{name} was given the keyword-only argument(s) {sorted(bound.kwargs)}: a "
-                    "checkpointed step takes arguments it can pass by position. Make them "
-                    "positional (or bind them first: checkpointed(functools.partial(fn, ...)))."
-                )
-            args = bound.args
+            args = _positional(name, signature, args, kwargs)
         return run_segment(name, fn, args)
 
+    if signature is not None:
+        # What the wrapper takes: ``fn``'s parameters that can be given by position.
+        call.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[p for p in signature.parameters.values() if p.kind not in _KEYWORD_ONLY]
+        )
     return call
+
+
+_KEYWORD_ONLY = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD)
+
+
+def _positional(name: str, signature: Optional[inspect.Signature], args: Any, kwargs: Dict[str, Any]) -> Any:
+    """``args`` and ``kwargs`` bound to ``signature`` as the step's
+    positional arguments (a parameter left out before one given: its
+    default): the segment and its re-run call the step with positional
+    arguments only. A TypeError for what cannot be given by position."""
+    fix = "pass them by position, or wrap a function that takes them so: checkpointed(lambda x: step(x, c=c))"
+    if signature is None:
+        raise TypeError(f"{name} takes positional arguments only (got {sorted(kwargs)}): {fix}.")
+    try:
+        given = signature.bind(*args, **kwargs).arguments
+    except TypeError as error:
+        raise TypeError(f"{name}: {error}") from None
+    params = signature.parameters.values()
+    refused = sorted(p.name for p in params if p.kind in _KEYWORD_ONLY and p.name in given)
+    if refused:
+        raise TypeError(f"{name} passes the step's arguments by position: it cannot pass {refused}; {fix}.")
+    positional = [p for p in params if p.kind not in _KEYWORD_ONLY]
+    last = max(i for i, p in enumerate(positional) if p.name in given)
+    found: List[Any] = []
+    for p in positional[: last + 1]:
+        if p.kind == inspect.Parameter.VAR_POSITIONAL:
+            found.extend(given.get(p.name, ()))
+        else:
+            found.append(given[p.name] if p.name in given else p.default)
+    return tuple(found)

@@ -27,6 +27,7 @@ from assigntape import (
     _registry,
     _resuming,
     _rules,
+    _segment_checks,
     _threads,
     _versions,
 )
@@ -258,6 +259,9 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
                 var = _variable_behind(instance, h, scope)
                 if var is not None:
                     _resuming.cut_on_first_read(scope, var, h)
+    if isinstance(scope.owners, _segment_checks.TouchLog):
+        # In a checkpointed step: what the function captures is copied before it runs.
+        scope.owners.note_captures(captured_in)
     captured = [
         h if v is None else _branches.version_in(scope, branch, v)
         for h, v in ((h, scope.canonical.get(id(h))) for h in captured_in)

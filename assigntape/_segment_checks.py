@@ -185,6 +185,20 @@ class TouchLog(Dict[int, Any]):
         super().__setitem__(key, var)
         self.note(var)
 
+    def note_captures(self, handles: Sequence[Any]) -> None:
+        """A function the step calls is about to run with ``handles`` as its
+        captured inputs: each variable among them noted now, its copy taken
+        before the call, as at a read. (The op callback learns of the call
+        only after it, eagerly: a variable the function changes by an op
+        that is no write, a tf.random.Generator's or a Keras SeedGenerator's
+        state, would be copied changed, and its re-run would draw other
+        numbers.)"""
+        for handle in handles:
+            if isinstance(handle, tensor_lib.Tensor) and handle.dtype == dtypes.resource:
+                var = _variable_of(handle, self)
+                if var is not None:
+                    self.note(var)
+
     def note(self, var: Any) -> None:
         """``var`` touched: at its first touch, its value copied."""
         uid = var.__dict__.get("_unique_id")
@@ -273,8 +287,9 @@ class Refusals:
         for t in inputs or ():
             if isinstance(t, tensor_lib.Tensor) and t.dtype == dtypes.resource:
                 # A variable a called tf.function reads through the handle it
-                # captured: not served, so noted here (after the call eagerly:
-                # a function that writes is refused or cut anyway).
+                # captured: not served, so noted here (eagerly after the call:
+                # noted before it, ``TouchLog.note_captures``, where the call
+                # is made through the function's ``_call_flat``).
                 var = _variable_of(t, self.log)
                 if var is not None:
                     self.log.note(var)
