@@ -92,7 +92,7 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
         refuse_forward_through_wrapper(
             (out, values), [var for b in branches for var, _ in b.values.values()], "tf.cond"
         )
-    except (TypeError, ValueError, AssertionError) as error:
+    except (TypeError, ValueError, AssertionError, AttributeError) as error:
         _refuse_forward_mode_failure(error, [var for b in branches for var, _ in b.values.values()], "cond")
         raise
     finally:

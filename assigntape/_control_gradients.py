@@ -551,12 +551,14 @@ def refuse_lacking(tensors: Any, asked: str) -> None:
 # What TensorFlow's forward mode raises, while tracing, through a graph loop
 # that writes a variable, or through the gradient of a cond (the optionals
 # that hold a branch's intermediates: it makes ones like them, for any dtype)
-# or through the ops pfor makes of one (attributes that name functions)
-# (README, Known limits).
+# or through the ops pfor makes of one (attributes that name functions), or
+# an eager accumulator's through a cond recorded bare in the function it
+# traces (README, Known limits).
 _FORWARD_MODE_FAILURES = (
     "without handle data",
     "<dtype: 'variant'> is not compatible",
     "Could not generate a generic TraceType",
+    "Tensor.graph is undefined when eager execution is enabled",
 )
 
 
