@@ -33,6 +33,7 @@ from assigntape._control_gradients import (
     _params,
     _pending,
     _writing_bodies,
+    building_cond,
     forward_mode_failures,
     refuse_forward_through_wrapper,
     refusing_forward_mode_failures,
@@ -91,7 +92,7 @@ def cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
         refuse_forward_through_wrapper(
             (out, values), [var for b in branches for var, _ in b.values.values()], "tf.cond"
         )
-    except (TypeError, ValueError, AssertionError) as error:
+    except (TypeError, ValueError, AssertionError, AttributeError) as error:
         _refuse_forward_mode_failure(error, [var for b in branches for var, _ in b.values.values()], "cond")
         raise
     finally:
@@ -133,13 +134,17 @@ def build_cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
     graphs = {id(arguments["true_graph"]), id(arguments["false_graph"])}
     branches = next((b for b in _pending if {id(x.graph) for x in b} == graphs), None)
     if arguments.get("building_gradient"):
-        with refusing_forward_mode_failures(
-            "A reverse gradient by tf.gradients (or a tape's jacobian) through a compiled tf.cond or case",
-            REVERSE_INSTEAD,
+        with (
+            refusing_forward_mode_failures(
+                "A reverse gradient by tf.gradients (or a tape's jacobian) through a compiled tf.cond or case",
+                REVERSE_INSTEAD,
+            ),
+            building_cond(),
         ):
             return wrapped(*args, **kwargs)
     if branches is None:
-        return wrapped(*args, **kwargs)
+        with building_cond():
+            return wrapped(*args, **kwargs)
     written = {uid: var for b in branches for uid, (var, _) in b.values.items()}
     for branch in branches:
         graph = branch.graph
@@ -157,7 +162,8 @@ def build_cond(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
     true_graph, false_graph = arguments["true_graph"], arguments["false_graph"]
     arguments["true_inputs"] = true_graph.external_captures
     arguments["false_inputs"] = false_graph.external_captures
-    return wrapped(**arguments)
+    with building_cond():
+        return wrapped(**arguments)
 
 
 def while_loop(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:

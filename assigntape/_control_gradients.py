@@ -47,6 +47,9 @@ def possible_gradient_types(wrapped: Callable[..., Any], instance: Any, args: An
     assertion). Prepared for higher order, the op sits in a function call whose
     recorded gradient outputs every intermediate up front."""
     kind = wrapped(*args, **kwargs)
+    cond_op = _a_cond_op_asked()
+    if kind == gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER and cond_op and _one_tape_beside_one_accumulator():
+        return gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER
     if kind != gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER or context.executing_eagerly():
         return kind
     # Only for ops built in the very graph where a tape of ours records, not
@@ -66,6 +69,62 @@ def possible_gradient_types(wrapped: Callable[..., Any], instance: Any, args: An
     if _building_writes() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
         return kind
     return gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER
+
+
+# Per thread, for each cond being built (``cond_v2._build_cond``): whether
+# TensorFlow has yet to ask which gradients to prepare for its op.
+_building_conds = threading.local()
+
+
+@contextlib.contextmanager
+def building_cond() -> Iterator[None]:
+    """A cond (``tf.cond``, ``tf.case``) is being built: its branches are
+    traced, and the first ``PossibleTapeGradientTypes`` asked now is its op's
+    (later ones: the gradients an accumulator builds of it)."""
+    stack = _building_conds.__dict__.setdefault("stack", [])
+    stack.append([True])
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _a_cond_op_asked() -> bool:
+    """Whether this ``PossibleTapeGradientTypes`` is asked for the op of a
+    cond being built (``building_cond``), the first asked there."""
+    stack = getattr(_building_conds, "stack", None)
+    if not stack or not stack[-1][0]:
+        return False
+    stack[-1][0] = False
+    return True
+
+
+def _one_tape_beside_one_accumulator() -> bool:
+    """For a cond's op being made (not a graph loop's, whose forward mode
+    TensorFlow fails bare): whether what records in this
+    thread's graph is one accumulator and one non-persistent tape of ours
+    (besides the internal tape of ``assigntape.ForwardAccumulator``, which
+    keeps no history and is never differentiated). There TensorFlow asks for
+    higher order as soon as the accumulator has a tangent for an input of
+    the cond (a variable written before it, a tensor computed from a watched
+    one), and puts the op in a function call (``cflow_gradient_wrapper``)
+    whose forward mode drops the tangent entering through a captured
+    variable's handle (a silently wrong jvp) or fails on the optionals that
+    hold the branches' intermediates (a ``TypeError``, "variant"). Recorded
+    bare, as when the accumulator has no tangent for its inputs, the jvp
+    through the op is right, and so is the tape's gradient (a second
+    derivative through it is refused, ``refuse_lacking``)."""
+    if context.executing_eagerly():
+        return False
+    recorders = [r for r in _recorders.recording_now() if getattr(r.tape, "_keeps_history", True)]
+    forward = [r for r in recorders if r.forward]
+    reverse = [r for r in recorders if not r.forward]
+    return (
+        len(forward) == 1
+        and len(reverse) == 1
+        and reverse[0].ours
+        and not getattr(reverse[0].tape, "_persistent", True)
+    )
 
 
 def _accumulating() -> bool:
@@ -492,12 +551,14 @@ def refuse_lacking(tensors: Any, asked: str) -> None:
 # What TensorFlow's forward mode raises, while tracing, through a graph loop
 # that writes a variable, or through the gradient of a cond (the optionals
 # that hold a branch's intermediates: it makes ones like them, for any dtype)
-# or through the ops pfor makes of one (attributes that name functions)
-# (README, Known limits).
+# or through the ops pfor makes of one (attributes that name functions), or
+# an eager accumulator's through a cond recorded bare in the function it
+# traces (README, Known limits).
 _FORWARD_MODE_FAILURES = (
     "without handle data",
     "<dtype: 'variant'> is not compatible",
     "Could not generate a generic TraceType",
+    "Tensor.graph is undefined when eager execution is enabled",
 )
 
 

@@ -170,3 +170,103 @@ def test_keras_cond_steps_under_persistent_tape(kind: str) -> None:
 def test_keras_ema_overwrite_stays_right(persistent: bool) -> None:
     got = _keras_program("ema", persistent, True)
     np.testing.assert_allclose(float(got), _finite_difference("ema"), rtol=1e-5)
+
+
+# -- a write before a writing cond (adversary round 5, f08) -------------------
+#
+# One non-persistent AssignAwareTape beside one accumulator, in a tf.function,
+# and a write of ``u`` before a cond whose branch writes ``u`` again: the
+# accumulator then has a tangent for the cond's input (``u``'s version), and
+# TensorFlow asked for higher order and put the cond inside a function call,
+# whose forward mode failed on the optionals of the branch's intermediates
+# (refused, "variant") or dropped the tangent entering through the captured
+# ``x`` (a silently wrong jvp: branches ``u + x``, ``x * x``).
+
+XB, UB, TB = [1.5, -0.7], [0.5, -0.3], [1.0, -2.0]
+
+# The write before the cond: (name, on the variable, on tensors: the rewrite).
+_WRITES_BEFORE: Any = {
+    "assign": (lambda u, x: u.assign(u * x), lambda u, x: u * x),
+    "assign_add": (lambda u, x: u.assign_add(x * x), lambda u, x: u + x * x),
+    "scatter": (
+        lambda u, x: u.scatter_nd_update([[1]], [x[0] * u[1]]),
+        lambda u, x: tf.tensor_scatter_nd_update(u, [[1]], [x[0] * u[1]]),
+    ),
+    # SGD(0.1) on the gradient 2 u x: u - 0.2 u x.
+    "sgd": (None, lambda u, x: u - 0.1 * (2.0 * u * x)),
+}
+
+# The branch that writes (the other leaves ``u`` as it is): on the variable's
+# value (read in the branch) and ``x``.
+_BRANCHES: Any = {
+    "u*x": lambda u, x: u * x,
+    "u+x": lambda u, x: u + x,
+    "x*x": lambda u, x: x * x,
+}
+
+
+def _rewrite(x: Any, before: str, branch: str) -> Any:
+    u = _WRITES_BEFORE[before][1](tf.constant(UB, tf.float64), x)
+    u = _BRANCHES[branch](u, x) if XB[0] > 0 else u
+    return tf.reduce_sum(u * x) + tf.reduce_sum(tf.sin(u))
+
+
+def _rewrite_jvp_and_grad(before: str, branch: str) -> Any:
+    """The oracle: the assignment-free rewrite under TensorFlow's accumulator
+    and a plain tape, eagerly."""
+    x = tf.constant(XB, tf.float64)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        with tf.autodiff.ForwardAccumulator(x, tf.constant(TB, tf.float64)) as acc:
+            y = _rewrite(x, before, branch)
+    return float(acc.jvp(y)), tape.gradient(y, x).numpy()
+
+
+def _write_before_cond(accumulator: Any, tape_outside: bool, before: str, branch: str, compiled: bool) -> Any:
+    u = tf.Variable(UB, dtype=tf.float64)
+    x = tf.Variable(XB, dtype=tf.float64)
+    write, _ = _WRITES_BEFORE[before]
+    if write is None:
+        opt = keras.optimizers.SGD(learning_rate=0.1)
+        opt.build([u])  # its variables made before the function
+
+        def write(u: Any, x: Any) -> Any:
+            return opt.apply_gradients([(2.0 * u * x, u)])
+
+    def run() -> Any:
+        u.assign(UB)
+        tape = AssignAwareTape()
+        acc = accumulator(x, tf.constant(TB, tf.float64))
+        outer, inner = (tape, acc) if tape_outside else (acc, tape)
+        with outer, inner:
+            write(u, x)
+            tf.cond(x[0] > 0, lambda: u.assign(_BRANCHES[branch](u, x)), lambda: u.assign(u))
+            y = tf.reduce_sum(u * x) + tf.reduce_sum(tf.sin(u))
+        return acc.jvp(y), tape.gradient(y, x)
+
+    return (tf.function(run) if compiled else run)()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("tape_outside", [False, True], ids=["tape_inside", "tape_outside"])
+@pytest.mark.parametrize("accumulator", ACCUMULATORS, ids=["ours", "tf"])
+@pytest.mark.parametrize("branch", sorted(_BRANCHES))
+@pytest.mark.parametrize("before", sorted(_WRITES_BEFORE))
+def test_write_before_a_writing_cond(
+    accumulator: Any, tape_outside: bool, before: str, branch: str, compiled: bool
+) -> None:
+    jvp, grad = _write_before_cond(accumulator, tape_outside, before, branch, compiled)
+    want_jvp, want_grad = _rewrite_jvp_and_grad(before, branch)
+    # (Keras keeps SGD's learning rate in float32.)
+    np.testing.assert_allclose(float(jvp), want_jvp, rtol=1e-6 if before == "sgd" else 1e-9)
+    np.testing.assert_allclose(grad.numpy(), want_grad, rtol=1e-6 if before == "sgd" else 1e-9)
+
+
+def test_write_before_a_writing_cond_oracle_by_finite_differences() -> None:
+    """The rewrite itself, against central differences along the tangent."""
+    x, t, h = np.array(XB), np.array(TB), 1e-6
+    for before in _WRITES_BEFORE:
+        for branch in _BRANCHES:
+            f = lambda z: float(_rewrite(tf.constant(z), before, branch))  # noqa: E731
+            fd = (f(x + h * t) - f(x - h * t)) / (2 * h)
+            np.testing.assert_allclose(_rewrite_jvp_and_grad(before, branch)[0], fd, rtol=1e-6)
