@@ -135,16 +135,19 @@ class Record:
             write = write._replace(recorded=False)
         uid = var._unique_id
         versions = self.versions.get(uid)
+        # The versions' owners first, then the write and its version on one
+        # line, the version last: an exception (a KeyboardInterrupt) landing
+        # between lines leaves the write noted whole or not at all, and a
+        # step that runs again (``_resuming.settle`` in an interrupted exit)
+        # sees which by the latest version.
+        self.owners[id(new)] = var
         if versions is None:
-            self.versions[uid] = [old, new]
-            self.writes[uid] = [write]
             self.owners[id(old)] = var
             if old is not var.__dict__.get("_handle"):
                 self.foreign_first = True
+            self.writes[uid] = [write]; self.versions[uid] = [old, new]  # noqa: E702  # fmt: skip
         else:
-            versions.append(new)
-            self.writes[uid].append(write)
-        self.owners[id(new)] = var
+            self.writes[uid].append(write); versions.append(new)  # noqa: E702  # fmt: skip
 
     def note_escape(self, where: str) -> None:
         self.escapes.append(where)

@@ -488,6 +488,31 @@ def _entered_again(inj, which, a, w):
     return tape.gradient(y, a)
 
 
+def _entered_again_after_a_closed_write(inj, which, a, w):
+    """A tape entered again exits without reading a variable written while it
+    was closed (its exit names the version it did not see made); entered once
+    more, its gradient must be the rewrite's whatever line the exit was
+    interrupted at (found by an adversary: a KeyError then)."""
+    from assigntape import AssignAwareTape
+
+    tape = AssignAwareTape(persistent=True)
+    with tape:
+        w.assign(3.0 * a)
+    w.assign(5.0 * a)  # while it is closed
+    try:
+        with _Armed(tape, inj, which.get("tape", ())):
+            pass
+    except _Injected:
+        pass
+    with tape:
+        y = w * a
+    grad = tape.gradient(y, a)
+    # The rewrite (rule 7): w = 5a, made while the tape was closed, has no
+    # path for it; y = w a: dy/da = w = 10.
+    assert grad is not None and float(grad) == 10.0, grad
+    return grad
+
+
 def _tf_accumulator_around(inj, which, a, w):
     import tensorflow as tf
 
@@ -624,6 +649,7 @@ _STEPS = {
     "plain_around": _plain_around,
     "plain_inside": _plain_inside,
     "entered_again": _entered_again,
+    "entered_again_after_a_closed_write": _entered_again_after_a_closed_write,
     "tf_accumulator_around": _tf_accumulator_around,
     "tf_accumulator_inside": _tf_accumulator_inside,
     "accumulator": _accumulator,
@@ -647,6 +673,7 @@ _SWEEPS = [
     ("plain_inside", {"tape": ("exit",)}),
     ("entered_again", {"tape": ("enter",)}),
     ("entered_again", {"tape": ("exit",)}),
+    ("entered_again_after_a_closed_write", {"tape": ("enter", "exit")}),
     ("tf_accumulator_around", {"acc": ("enter", "exit")}),
     ("tf_accumulator_around", {"tape": ("enter", "exit")}),
     ("tf_accumulator_inside", {"acc": ("enter", "exit")}),
