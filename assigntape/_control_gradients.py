@@ -371,15 +371,24 @@ def branch_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
             "TensorFlow cannot build a second gradient of it here (a bare AssertionError). Take the "
             "jvp and the reverse gradient in separate calls (each alone is right)."
         )
-    if len(outputs) <= len(grads) or not getattr(_differentiating, "depth", 0):
-        return wrapped(*args, **kwargs)
-    # ``_grad_fn`` pairs ``func_graph.outputs`` with ``grads`` and reads nothing
-    # else of them; the graph is shown its first outputs only while it does.
-    func_graph.outputs = outputs[: len(grads)]
-    try:
-        return wrapped(func_graph, grads)
-    finally:
-        func_graph.outputs = outputs
+    # (Under an accumulator, TensorFlow's forward mode through the branch's
+    # gradient can fail bare while the gradient is built: refused by name.)
+    with refusing_forward_mode_failures(_BRANCH_GRADIENT, _SECOND_ORDER_INSTEAD):
+        if len(outputs) <= len(grads) or not getattr(_differentiating, "depth", 0):
+            return wrapped(*args, **kwargs)
+        # ``_grad_fn`` pairs ``func_graph.outputs`` with ``grads`` and reads nothing
+        # else of them; the graph is shown its first outputs only while it does.
+        func_graph.outputs = outputs[: len(grads)]
+        try:
+            return wrapped(func_graph, grads)
+        finally:
+            func_graph.outputs = outputs
+
+
+_BRANCH_GRADIENT = (
+    "A reverse gradient through a compiled tf.cond or case, built while a ForwardAccumulator records "
+    "(forward over reverse, as for a Hessian-vector product)"
+)
 
 
 def loop_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -542,10 +551,14 @@ def refuse_lacking(tensors: Any, asked: str) -> None:
                 "made the op output intermediates after the tape recorded it, so the gradient would "
                 "miss their part."
             )
-        raise ControlFlowWriteError(
-            f"{what} Branch or loop in Python (unrolled while tracing, it is right), run the function "
-            "eagerly, or take the second derivative in reverse mode (a tape around the gradient's tape)."
-        )
+        raise ControlFlowWriteError(f"{what} {_SECOND_ORDER_INSTEAD}")
+
+
+# What to do instead of a second derivative through a compiled cond, case or loop.
+_SECOND_ORDER_INSTEAD = (
+    "Branch or loop in Python (unrolled while tracing, it is right), run the function eagerly, or take "
+    "the second derivative in reverse mode (a tape around the gradient's tape)."
+)
 
 
 # What TensorFlow's forward mode raises, while tracing, through a graph loop

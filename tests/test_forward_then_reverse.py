@@ -311,3 +311,34 @@ def test_jvp_of_the_gradient_through_a_loop_that_only_reads(accumulator: Any, ho
     np.testing.assert_allclose(g.numpy(), want_g.numpy(), rtol=1e-10)
     np.testing.assert_allclose(hvp.numpy(), want_hvp.numpy(), rtol=1e-10)
     np.testing.assert_allclose(float(j), float(want_j), rtol=1e-10)
+
+
+@pytest.mark.parametrize("writing", [True, False], ids=["writing cond", "reading cond"])
+@pytest.mark.parametrize("kind", ["assigntape", "tf.autodiff"])
+def test_forward_over_reverse_through_a_compiled_cond_after_a_write_is_refused_by_name(writing, kind):
+    """An accumulator around one non-persistent tape, a write, then a cond,
+    compiled; the jvp of the tape's gradient (a Hessian-vector product):
+    TensorFlow's forward mode fails bare on the branch's gradient while it is
+    built (found by an adversary after the cond was recorded unwrapped there):
+    refused by name, nothing silently wrong."""
+    make = assigntape.ForwardAccumulator if kind == "assigntape" else tf.autodiff.ForwardAccumulator
+    u = tf.Variable([0.0, 0.0], dtype=tf.float64)
+    x = tf.Variable([1.5, -0.7], dtype=tf.float64)
+
+    @tf.function
+    def f():
+        acc = make(x, tf.constant([1.0, -2.0], tf.float64))
+        with acc:
+            with assigntape.AssignAwareTape() as tape:
+                u.assign(x * x)
+                if writing:
+                    tf.cond(x[0] > 0, lambda: u.assign(tf.sin(u) * x), lambda: u.assign(u))
+                    c = u * 1.0
+                else:
+                    c = tf.cond(x[0] > 0, lambda: tf.sin(u) * x, lambda: tf.identity(u))
+                y = tf.reduce_sum(c * x)
+            g = tape.gradient(y, x)
+        return acc.jvp(g)
+
+    with pytest.raises(assigntape.ControlFlowWriteError, match="forward over reverse"):
+        f()
