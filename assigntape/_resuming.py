@@ -10,13 +10,15 @@ again it goes on from its versions, lazily: at each variable's first read
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from assigntape import _leases
 from assigntape._record import CLOSED_WRITE, Record, WriteRecord
 from assigntape._recorders import among, holding
 from assigntape._registry import _list, _scopes, _tls, current_key
 from assigntape._tf import (
+    ops,
     record,
     resource_variable_ops,
 )
@@ -58,7 +60,7 @@ def versions_for(scope: Scope, recorder: Any = None, unseen: Optional[List[Any]]
         if unseen is not None and (var is None or var._unique_id not in scope.current):
             unseen.append(own)
         if var is not None and var._unique_id not in found:
-            new = found[var._unique_id] = new_version(own, None)
+            new = found[var._unique_id] = unseen_version(scope, own)
             scope.keep(var, new)
     return found
 
@@ -235,7 +237,7 @@ def settle(scope: Scope, record: Record) -> None:
         # (Each step can run again: an interrupted exit runs it once more.)
         entry = scope.resumed.get(key)
         if entry is None:
-            new = new_version(own, None)
+            new = unseen_version(scope, own)
             scope.keep(var, new)
             entry = scope.resumed[key] = (new, var, True, [])
         if all(r is not record for r in entry[3]):
@@ -297,7 +299,7 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
     closed_at_write = scope.dirty.pop(id(own))[1]
     # Or the version tapes entered again go on from (``go_on_from``).
     entry = scope.resumed.pop(id(own), None)
-    new, knowing = (new_version(own, None), []) if entry is None else (entry[0], entry[3])
+    new, knowing = (unseen_version(scope, own), []) if entry is None else (entry[0], entry[3])
     # Record the identity on every recording tape except those that were
     # closed (those of ours here, or plain ones entered again) and those that
     # know the version.
@@ -312,8 +314,12 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
         r.pause()
     try:
         # As a read would: watched, so that the tapes opened since record it.
-        resource_variable_ops.variable_accessed(var)
-        record.record_operation("Identity", [new], [own], lambda g: [g], forward_function=lambda t: [t])
+        # (In the scope's graph, as a read at the recorder's entry: the first
+        # read may be in a cond branch or loop body, whose tensors the rest
+        # of the function cannot use.)
+        with in_graph_of(scope):
+            resource_variable_ops.variable_accessed(var)
+            record.record_operation("Identity", [new], [own], lambda g: [g], forward_function=lambda t: [t])
     finally:
         for r in reversed(paused):
             r.resume()
@@ -354,5 +360,27 @@ def latest_version(scope: Scope, var: Any, recorder: Any, known: Any) -> Any:
         return entry[0]
     dirty = scope.dirty.get(id(own))
     if dirty is not None and among(dirty[1], recorder):
-        return new_version(own, None)
+        return unseen_version(scope, own)
     return known
+
+
+def in_graph_of(scope: Scope) -> ContextManager[Any]:
+    """Builds in ``scope``'s graph (the graph of the tape's scope, around any
+    cond branch or loop body being built), with none of the control
+    dependencies in force where this is called: what is built is what a read
+    at the recorder's entry would have built there, which every branch, body
+    and the code after them can use."""
+    if scope.key is None or ops.get_default_graph() is scope.key:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(scope.key.as_default())
+    stack.enter_context(ops.control_dependencies(None))
+    return stack
+
+
+def unseen_version(scope: Scope, own: Any) -> Any:
+    """A version of the variable whose own handle is ``own``, made by a write
+    a recorder did not see (made while it was closed): no gradient path, and
+    made in ``scope``'s graph (``in_graph_of``)."""
+    with in_graph_of(scope):
+        return new_version(own, None)
