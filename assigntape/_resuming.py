@@ -22,7 +22,7 @@ from assigntape._tf import (
     record,
     resource_variable_ops,
 )
-from assigntape._versions import Scope, _drop, canonical_handle, new_version, variable_of_handle
+from assigntape._versions import Scope, _by_handle, _drop, canonical_handle, new_version, variable_of_handle
 from assigntape._versions import _closed_records as _closed_records  # (re-exported)
 from assigntape._versions import note_write_while_closed as note_write_while_closed  # (re-exported)
 
@@ -169,6 +169,11 @@ def enter_again(
         elif cut:
             scope.dirty.setdefault(id(own), (own, []))[1].append(record)
             scope.seen.add(uid)
+            # Its handle names it from now on (one made before the patches
+            # were installed did not: ``settle`` and the other passes over
+            # ``scope.dirty`` would skip it).
+            if variable_of_handle(own) is None:
+                _by_handle[id(own)] = var
         else:
             resumed.append((var, own, mine))
     go_on_from(scope, resumed, record)
