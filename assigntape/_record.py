@@ -82,6 +82,10 @@ class Record:
         # tape was closed before its last entry and not read in it: at its
         # last exit, their latest version was one it did not see made.
         self.unseen_at_exit: Set[int] = set()
+        # Unique ids of the variables read or written in the scope it last
+        # closed in (its ``seen`` then): what another thread must not write
+        # behind it when it is entered again (``_resuming.note_read``).
+        self.read_ids: Set[str] = set()
         self.suspects: Dict[int, Tuple[Any, int]] = {}
         # Whether some variable's first version here is not its own handle
         # (``versions_start_own``).

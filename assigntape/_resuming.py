@@ -93,6 +93,7 @@ def note_closed_writes(scope: Scope, record: Record) -> None:
     its note of them when its last tape closes): noted on its record, those
     still unseen in ``unseen_at_exit``. One pass over ``scope.dirty`` where
     ``scope`` is the current graph's (``unseen_writes`` asks that one)."""
+    note_read(scope, record)
     here = _scopes().get(current_key()) is scope
     unseen_ids = set() if here else set(unseen_writes(record, ids=True))
     for own, unseen in _closed_writes(scope, record):
@@ -100,6 +101,18 @@ def note_closed_writes(scope: Scope, record: Record) -> None:
         if unseen and here:
             unseen_ids.add(id(own))
     record.unseen_at_exit = unseen_ids
+
+
+def note_read(scope: Optional[Scope], record: Record) -> None:
+    """A recorder (``record``: its record, any kind) that may be entered again
+    closes in ``scope``: the variables read or written there (``seen``, a set
+    of unique ids, however many versions were read) are marked seen again at
+    its re-entry (``enter_again``), so that another thread's write to one of
+    them is refused as in its first entry (rule 9), whatever the recorder's
+    kind. (Not its watched variables: a plain tape's list grows with every
+    version read, a TensorFlow accumulator's is not to be asked.)"""
+    if scope is not None:
+        record.read_ids |= scope.seen
 
 
 def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], resuming: Record) -> None:
@@ -117,9 +130,7 @@ def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[i
         _list(scope)
         scope.holders = [holding(holder)]
     if scope is not None:
-        # (Not its watched variables: a plain tape's list of them grows with
-        # every version it read, and asking it at each entry would cost as
-        # much; what it reads here is noted seen at each read, as any tape's.)
+        # (What it read before: ``note_read``, at its exit.)
         enter_again(scope, resuming, held, written)
 
 
@@ -153,6 +164,7 @@ def enter_again(
       recorder, as for any variable it has not read;
     * a variable current here (written by a tape open while it was closed):
       that version, which a tape of ours notes as a write it did not see."""
+    scope.seen |= record.read_ids
     for var in watched:
         uid = getattr(var, "_unique_id", None)
         if uid is not None:
