@@ -139,16 +139,20 @@ class Record:
             write = write._replace(recorded=False)
         uid = var._unique_id
         versions = self.versions.get(uid)
+        # The new version goes in last: an interrupted exit runs ``settle``
+        # again, which notes the write only if the version is not there yet
+        # (so its owner must be by then, and its write not noted twice).
+        self.owners[id(new)] = var
         if versions is None:
-            self.versions[uid] = [old, new]
-            self.writes[uid] = [write]
             self.owners[id(old)] = var
             if old is not var.__dict__.get("_handle"):
                 self.foreign_first = True
+            self.writes[uid], self.versions[uid] = [write], [old, new]
         else:
+            writes = self.writes[uid]
+            if len(writes) < len(versions):
+                writes.append(write)
             versions.append(new)
-            self.writes[uid].append(write)
-        self.owners[id(new)] = var
 
     def note_escape(self, where: str) -> None:
         self.escapes.append(where)

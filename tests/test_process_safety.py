@@ -488,6 +488,27 @@ def _entered_again(inj, which, a, w):
     return tape.gradient(y, a)
 
 
+def _entered_again_after_a_closed_write(inj, which, a, w):
+    # Its exit names the version it did not see made (settle); interrupted
+    # there, the next entry and read must still work (the rewrite:
+    # d(w a)/da with w = stop_gradient(5 a) = 5 a: 10).
+    from assigntape import AssignAwareTape
+
+    tape = AssignAwareTape(persistent=True)
+    with tape:
+        w.assign(3.0 * a)
+    w.assign(5.0 * a)  # while the tape is closed
+    try:
+        with _Armed(tape, inj, which.get("tape", ())):
+            pass  # no read: the exit settles
+    except _Injected:
+        pass
+    with tape:
+        y = w * a
+    assert float(tape.gradient(y, a)) == 10.0
+    return y
+
+
 def _tf_accumulator_around(inj, which, a, w):
     import tensorflow as tf
 
@@ -624,6 +645,7 @@ _STEPS = {
     "plain_around": _plain_around,
     "plain_inside": _plain_inside,
     "entered_again": _entered_again,
+    "entered_again_after_a_closed_write": _entered_again_after_a_closed_write,
     "tf_accumulator_around": _tf_accumulator_around,
     "tf_accumulator_inside": _tf_accumulator_inside,
     "accumulator": _accumulator,
@@ -647,6 +669,7 @@ _SWEEPS = [
     ("plain_inside", {"tape": ("exit",)}),
     ("entered_again", {"tape": ("enter",)}),
     ("entered_again", {"tape": ("exit",)}),
+    ("entered_again_after_a_closed_write", {"tape": ("exit",)}),
     ("tf_accumulator_around", {"acc": ("enter", "exit")}),
     ("tf_accumulator_around", {"tape": ("enter", "exit")}),
     ("tf_accumulator_inside", {"acc": ("enter", "exit")}),
