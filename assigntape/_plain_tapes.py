@@ -405,6 +405,8 @@ def _closed(instance: Any, ends: Optional[Dict[str, Any]], unseen: List[Any]) ->
     # goes on from the versions it held, so note the writes made meanwhile,
     # as for a closed AssignAwareTape (``_versions.note_write_while_closed``).
     record = _recorders.record_for(instance) if held or ends is not None else None
+    if record is not None:
+        _resuming.note_read(_registry._scopes().get(_registry.current_key()), record)
     # What the exit changes comes last, each step of it able to run again:
     # after an exception in it (a KeyboardInterrupt), it runs once more.
     try: _let_go(instance, held, unseen, record)  # noqa: E701  # fmt: skip

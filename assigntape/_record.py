@@ -82,6 +82,10 @@ class Record:
         # tape was closed before its last entry and not read in it: at its
         # last exit, their latest version was one it did not see made.
         self.unseen_at_exit: Set[int] = set()
+        # Unique ids of the variables read or written in the scope it last
+        # closed in (its ``seen`` then): what another thread must not write
+        # behind it when it is entered again (``_resuming.note_read``).
+        self.read_ids: Set[str] = set()
         self.suspects: Dict[int, Tuple[Any, int]] = {}
         # Whether some variable's first version here is not its own handle
         # (``versions_start_own``).
@@ -135,19 +139,20 @@ class Record:
             write = write._replace(recorded=False)
         uid = var._unique_id
         versions = self.versions.get(uid)
-        # The versions' owners first, then the write and its version on one
-        # line, the version last: an exception (a KeyboardInterrupt) landing
-        # between lines leaves the write noted whole or not at all, and a
-        # step that runs again (``_resuming.settle`` in an interrupted exit)
-        # sees which by the latest version.
+        # The new version goes in last: an interrupted exit runs ``settle``
+        # again, which notes the write only if the version is not there yet
+        # (so its owner must be by then, and its write not noted twice).
         self.owners[id(new)] = var
         if versions is None:
             self.owners[id(old)] = var
             if old is not var.__dict__.get("_handle"):
                 self.foreign_first = True
-            self.writes[uid] = [write]; self.versions[uid] = [old, new]  # noqa: E702  # fmt: skip
+            self.writes[uid], self.versions[uid] = [write], [old, new]
         else:
-            self.writes[uid].append(write); versions.append(new)  # noqa: E702  # fmt: skip
+            writes = self.writes[uid]
+            if len(writes) < len(versions):
+                writes.append(write)
+            versions.append(new)
 
     def note_escape(self, where: str) -> None:
         self.escapes.append(where)

@@ -10,17 +10,19 @@ again it goes on from its versions, lazily: at each variable's first read
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from assigntape import _leases
 from assigntape._record import CLOSED_WRITE, Record, WriteRecord
 from assigntape._recorders import among, holding
 from assigntape._registry import _list, _scopes, _tls, current_key
 from assigntape._tf import (
+    ops,
     record,
     resource_variable_ops,
 )
-from assigntape._versions import Scope, _drop, canonical_handle, new_version, variable_of_handle
+from assigntape._versions import Scope, _by_handle, _drop, canonical_handle, new_version, variable_of_handle
 from assigntape._versions import _closed_records as _closed_records  # (re-exported)
 from assigntape._versions import note_write_while_closed as note_write_while_closed  # (re-exported)
 
@@ -58,7 +60,7 @@ def versions_for(scope: Scope, recorder: Any = None, unseen: Optional[List[Any]]
         if unseen is not None and (var is None or var._unique_id not in scope.current):
             unseen.append(own)
         if var is not None and var._unique_id not in found:
-            new = found[var._unique_id] = new_version(own, None)
+            new = found[var._unique_id] = unseen_version(scope, own)
             scope.keep(var, new)
     return found
 
@@ -91,6 +93,7 @@ def note_closed_writes(scope: Scope, record: Record) -> None:
     its note of them when its last tape closes): noted on its record, those
     still unseen in ``unseen_at_exit``. One pass over ``scope.dirty`` where
     ``scope`` is the current graph's (``unseen_writes`` asks that one)."""
+    note_read(scope, record)
     here = _scopes().get(current_key()) is scope
     unseen_ids = set() if here else set(unseen_writes(record, ids=True))
     for own, unseen in _closed_writes(scope, record):
@@ -98,6 +101,18 @@ def note_closed_writes(scope: Scope, record: Record) -> None:
         if unseen and here:
             unseen_ids.add(id(own))
     record.unseen_at_exit = unseen_ids
+
+
+def note_read(scope: Optional[Scope], record: Record) -> None:
+    """A recorder (``record``: its record, any kind) that may be entered again
+    closes in ``scope``: the variables read or written there (``seen``, a set
+    of unique ids, however many versions were read) are marked seen again at
+    its re-entry (``enter_again``), so that another thread's write to one of
+    them is refused as in its first entry (rule 9), whatever the recorder's
+    kind. (Not its watched variables: a plain tape's list grows with every
+    version read, a TensorFlow accumulator's is not to be asked.)"""
+    if scope is not None:
+        record.read_ids |= scope.seen
 
 
 def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[int, Any], resuming: Record) -> None:
@@ -115,9 +130,7 @@ def resume_holder(holder: Any, held: Dict[str, Tuple[Any, Any]], written: Dict[i
         _list(scope)
         scope.holders = [holding(holder)]
     if scope is not None:
-        # (Not its watched variables: a plain tape's list of them grows with
-        # every version it read, and asking it at each entry would cost as
-        # much; what it reads here is noted seen at each read, as any tape's.)
+        # (What it read before: ``note_read``, at its exit.)
         enter_again(scope, resuming, held, written)
 
 
@@ -151,6 +164,7 @@ def enter_again(
       recorder, as for any variable it has not read;
     * a variable current here (written by a tape open while it was closed):
       that version, which a tape of ours notes as a write it did not see."""
+    scope.seen |= record.read_ids
     for var in watched:
         uid = getattr(var, "_unique_id", None)
         if uid is not None:
@@ -167,6 +181,11 @@ def enter_again(
         elif cut:
             scope.dirty.setdefault(id(own), (own, []))[1].append(record)
             scope.seen.add(uid)
+            # Its handle names it from now on (one made before the patches
+            # were installed did not: ``settle`` and the other passes over
+            # ``scope.dirty`` would skip it).
+            if variable_of_handle(own) is None:
+                _by_handle[id(own)] = var
         else:
             resumed.append((var, own, mine))
     go_on_from(scope, resumed, record)
@@ -235,7 +254,7 @@ def settle(scope: Scope, record: Record) -> None:
         # (Each step can run again: an interrupted exit runs it once more.)
         entry = scope.resumed.get(key)
         if entry is None:
-            new = new_version(own, None)
+            new = unseen_version(scope, own)
             scope.keep(var, new)
             entry = scope.resumed[key] = (new, var, True, [])
         if all(r is not record for r in entry[3]):
@@ -312,7 +331,7 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
     closed_at_write = scope.dirty.pop(id(own))[1]
     # Or the version tapes entered again go on from (``go_on_from``).
     entry = scope.resumed.pop(id(own), None)
-    new, knowing = (new_version(own, None), []) if entry is None else (entry[0], entry[3])
+    new, knowing = (unseen_version(scope, own), []) if entry is None else (entry[0], entry[3])
     # Record the identity on every recording tape except those that were
     # closed (those of ours here, or plain ones entered again) and those that
     # know the version.
@@ -327,8 +346,12 @@ def cut_on_first_read(scope: "Scope", var: Any, own: Any) -> Any:
         r.pause()
     try:
         # As a read would: watched, so that the tapes opened since record it.
-        resource_variable_ops.variable_accessed(var)
-        record.record_operation("Identity", [new], [own], lambda g: [g], forward_function=lambda t: [t])
+        # (In the scope's graph, as a read at the recorder's entry: the first
+        # read may be in a cond branch or loop body, whose tensors the rest
+        # of the function cannot use.)
+        with in_graph_of(scope):
+            resource_variable_ops.variable_accessed(var)
+            record.record_operation("Identity", [new], [own], lambda g: [g], forward_function=lambda t: [t])
     finally:
         for r in reversed(paused):
             r.resume()
@@ -369,5 +392,27 @@ def latest_version(scope: Scope, var: Any, recorder: Any, known: Any) -> Any:
         return entry[0]
     dirty = scope.dirty.get(id(own))
     if dirty is not None and among(dirty[1], recorder):
-        return new_version(own, None)
+        return unseen_version(scope, own)
     return known
+
+
+def in_graph_of(scope: Scope) -> ContextManager[Any]:
+    """Builds in ``scope``'s graph (the graph of the tape's scope, around any
+    cond branch or loop body being built), with none of the control
+    dependencies in force where this is called: what is built is what a read
+    at the recorder's entry would have built there, which every branch, body
+    and the code after them can use."""
+    if scope.key is None or ops.get_default_graph() is scope.key:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(scope.key.as_default())
+    stack.enter_context(ops.control_dependencies(None))
+    return stack
+
+
+def unseen_version(scope: Scope, own: Any) -> Any:
+    """A version of the variable whose own handle is ``own``, made by a write
+    a recorder did not see (made while it was closed): no gradient path, and
+    made in ``scope``'s graph (``in_graph_of``)."""
+    with in_graph_of(scope):
+        return new_version(own, None)

@@ -227,3 +227,40 @@ def test_a_cut_write_out_of_sight_after_reentry_is_not_undone_by_the_next_read(w
     assert float(y) == 0.5
     assert tape.gradient(y, v) is None
     assert tape.gradient(y, w) is None
+
+
+_MADE_BEFORE_IMPORT_NAMED = """
+import tensorflow as tf
+x, u = tf.Variable(2.0), tf.Variable(1.0)  # made before the import: unidentifiable
+x2, u2 = tf.Variable(2.0), tf.Variable(1.0)
+from assigntape import AssignAwareTape
+t = AssignAwareTape(persistent=True)
+with t:
+    u.assign(3.0 * x)
+u.assign(5.0 * x)  # while t is closed
+with t:  # named before any read of u
+    n, last = len(t.versions(u)), t.gradient(t.versions(u)[-1], x)
+t2 = AssignAwareTape(persistent=True)
+with t2:
+    u2.assign(3.0 * x2)
+u2.assign(5.0 * x2)
+with t2:  # exits without reading u2
+    pass
+print(n, last is None, len(t2.versions(u2)), t2.gradient(t2.versions(u2)[-1], x2) is None)
+"""
+
+
+def test_a_tape_entered_again_names_the_closed_write_of_a_variable_made_before_import():
+    # The rewrite: u0 = 1, u1 = 3x, u2 = stop_gradient(5x) (rule 7): three
+    # versions, the last with no path to x (None), whether the tape names them
+    # inside before reading u, or after an entry that did not read it.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(
+        [sys.executable, "-c", _MADE_BEFORE_IMPORT_NAMED], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["3", "True", "3", "True"]
