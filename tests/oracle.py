@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+import threading
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -95,3 +97,28 @@ def inner_sgd_gradient(
             params = tf.nest.map_structure(lambda p, g: p - lr * g, params, grads)
         final = outer_loss(params)
     return outer.gradient(final, start)
+
+
+@contextlib.contextmanager
+def tape_open_in_another_thread() -> Iterator[None]:
+    """Runs the block while another thread has an AssignAwareTape open (it
+    wrote a variable of its own)."""
+    from assigntape import AssignAwareTape
+
+    opened, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        v = tf.Variable(1.0)
+        with AssignAwareTape():
+            v.assign(v * 2.0)
+            opened.set()
+            release.wait(120)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert opened.wait(60)
+        yield
+    finally:
+        release.set()
+        thread.join(60)

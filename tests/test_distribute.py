@@ -460,34 +460,16 @@ def test_a_plain_optimizer_step_beside_another_threads_tape_is_a_plain_step():
     open is this thread's write, not a cross-replica update for replicas that
     do not exist. Was: UntrackedWriteError "cross-replica update ... in a
     replica"."""
-    import threading
-
     import keras
+    from oracle import tape_open_in_another_thread
 
-    from assigntape import AssignAwareTape
-
-    opened, release = threading.Event(), threading.Event()
-
-    def holder():
-        v = tf.Variable(1.0)
-        with AssignAwareTape():
-            v.assign(v * 2.0)
-            opened.set()
-            release.wait(120)
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    try:
-        assert opened.wait(60)
+    with tape_open_in_another_thread():
         w = tf.Variable([1.0, 2.0])
         optimizer = keras.optimizers.SGD(0.1)
         optimizer.build([w])
         optimizer.apply_gradients([(tf.constant([1.0, 1.0]), w)])
         np.testing.assert_allclose(w.numpy(), [0.9, 1.9], rtol=1e-6)  # plain TensorFlow
         np.testing.assert_allclose(_hypergradient_steps(), HYPERGRADIENTS, rtol=1e-5)
-    finally:
-        release.set()
-        thread.join(60)
 
 
 def test_two_threads_each_with_a_hypergradient_step_on_their_own_variables():

@@ -10,14 +10,13 @@ from __future__ import annotations
 import pathlib
 import subprocess
 import sys
-import threading
 from typing import Any, Callable
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from oracle import modes, run
+from oracle import modes, run, tape_open_in_another_thread
 
 import assigntape
 from assigntape import AssignAwareTape
@@ -754,24 +753,9 @@ def test_plain_forward_mode_in_a_thread_without_a_tape_is_plain_while_another_th
             y = tf.cond(x > 0, lambda: u * x * x, lambda: u * 1.0) * x
         return acc.jvp(y)
 
-    holding, done = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        v = tf.Variable(1.0)
-        with assigntape.AssignAwareTape():
-            v.assign(v * 2.0)
-            holding.set()
-            done.wait(60)
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    try:
-        assert holding.wait(60)
+    with tape_open_in_another_thread():
         with pytest.raises(tf.errors.InvalidArgumentError, match="branch_shape"):
             tf.function(f, jit_compile=True)()
-    finally:
-        done.set()
-        thread.join()
 
 
 # -- assigntape.ForwardAccumulator and writes while it is not open ---------------
