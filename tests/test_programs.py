@@ -38,7 +38,7 @@ from typing import Any, List, Sequence
 
 import numpy as np
 import tensorflow as tf
-from hypothesis import example, given, settings
+from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 from oracle import assert_grads_close, central_difference, to_numpy
 
@@ -98,11 +98,22 @@ def _check_finite_differences(program, grads):
     # on the gradient. The first step that agrees passes; a wrong gradient
     # agrees with none of them (in float64 the smallest step's rounding error
     # is still far below the tolerance for these losses).
+    found = []
     for eps in (1e-6, 1e-7, 1e-8):
         fd = central_difference(f, point, direction, eps=eps)
         if np.isclose(analytic, fd, rtol=2e-3, atol=2e-3):
             return
-    np.testing.assert_allclose(analytic, fd, rtol=2e-3, atol=2e-3)
+        found.append(fd)
+    # No step agrees. A difference judges where it has converged (two
+    # successive steps agree), and a wrong gradient disagrees with it. Where
+    # none has (found by the thorough profile: three chained complex sines,
+    # a gradient of 1e63, differences of 8.5e7 and others), the differences
+    # cannot judge, and the rewrite, compared above, is the oracle.
+    converged = [b for a, b in zip(found, found[1:]) if np.isclose(a, b, rtol=2e-3, atol=2e-3)]
+    if converged:
+        np.testing.assert_allclose(analytic, converged[0], rtol=2e-3, atol=2e-3)
+    else:
+        note(f"finite differences did not converge: {found}")
 
 
 @given(programs())
@@ -116,6 +127,22 @@ def _check_finite_differences(program, grads):
         statements=(
             ("write", 0, "assign", ("var", 0, 0), ("var", 0, 0), "add", "sin"),
             ("write", 0, "assign", ("var", 0, 0), ("var", 0, 0), "mul", "sin"),
+        ),
+        seed=0,
+        keras=(False,),
+    )
+)
+# Found by the thorough profile: a gradient of 1e63, where finite
+# differences do not converge (the rewrite agrees with the tape).
+@example(
+    program=Program(
+        shapes=((3,),),
+        dtypes=("complex128",),
+        n_params=0,
+        statements=(
+            ("write", 0, "assign", ("var", 0, 0), ("var", 0, 0), "add", "sin"),
+            ("write", 0, "assign", ("var", 0, 0), ("var", 0, 0), "add", "sin"),
+            ("read", ("var", 0, 0), "sin"),
         ),
         seed=0,
         keras=(False,),
