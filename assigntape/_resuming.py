@@ -92,8 +92,13 @@ def note_closed_writes(scope: Scope, record: Record) -> None:
     it, writes it did not see when it is entered once more (the scope forgets
     its note of them when its last tape closes): noted on its record, those
     still unseen in ``unseen_at_exit``. One pass over ``scope.dirty`` where
-    ``scope`` is the current graph's (``unseen_writes`` asks that one)."""
-    note_read(scope, record)
+    ``scope`` is the current graph's (``unseen_writes`` asks that one).
+    (What it read is its own watched variables, given at its re-entry: not
+    ``note_read``'s ``scope.seen``, which holds what the other tapes of the
+    scope read too; but for an ``assigntape.ForwardAccumulator``'s internal
+    tape, which keeps no history: its reads are the scope's.)"""
+    if not record.keeps_history:
+        note_read(scope, record)
     here = _scopes().get(current_key()) is scope
     unseen_ids = set() if here else set(unseen_writes(record, ids=True))
     for own, unseen in _closed_writes(scope, record):
