@@ -38,8 +38,9 @@ from assigntape._control_gradients import (
     refuse_forward_through_wrapper,
     refusing_forward_mode_failures,
 )
-from assigntape._errors import ControlFlowWriteError
+from assigntape._errors import AssignTapeError, ControlFlowWriteError
 from assigntape._tf import (
+    context,
     control_flow_util,
     dtypes,
     gen_resource_variable_ops,
@@ -47,6 +48,7 @@ from assigntape._tf import (
     ops,
     pywrap_tfe,
     resource_variable_ops,
+    variable_scope,
 )
 from assigntape._wrapping import bind
 
@@ -452,3 +454,26 @@ def _carrying(
     # As TensorFlow does without return_same_structure: one tensor comes back bare.
     flat = nest.flatten(result, expand_composites=True)
     return flat[0] if len(flat) == 1 else result
+
+
+def variable_scope_kept(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``tf.map_fn``, ``tf.scan``, ``tf.foldl`` and ``tf.foldr`` in a graph.
+
+    In a graph these set a caching device on the current variable scope (a
+    tf.function's graph shares that scope object with the eager program around
+    it) and put it back only when ``fn`` returns. A refusal of ours raised in
+    ``fn`` would leave it set for the rest of the process, and every later
+    ``tf.distribute`` strategy scope or ``tf.compat.v1.variable_scope`` entered
+    eagerly would raise NotImplementedError ("Caching devices is not yet
+    supported when eager execution is enabled"). So it is put back when one of
+    our errors leaves; any other error is left to TensorFlow, as without us.
+    """
+    if context.executing_eagerly():  # (as they do: eagerly nothing is set)
+        return wrapped(*args, **kwargs)
+    scope = variable_scope.get_variable_scope()
+    device = scope.caching_device
+    try:
+        return wrapped(*args, **kwargs)
+    except AssignTapeError:
+        scope.set_caching_device(device)
+        raise

@@ -67,6 +67,7 @@ from assigntape._tf import (
     distribute_values,
     eager_tape,
     forwardprop,
+    functional_ops,
     gen_array_ops,
     gen_dataset_ops,
     gen_experimental_dataset_ops,
@@ -75,6 +76,7 @@ from assigntape._tf import (
     gen_training_ops,
     gradients_util,
     iterator_ops,
+    map_fn_ops,
     mirrored_run,
     multi_device_iterator_ops,
     ops,
@@ -321,6 +323,12 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (cond_v2, "_build_cond", _control_flow.build_cond),
         (cond_v2, "indexed_case", _control_flow.indexed_case),
         (while_v2, "while_loop", _control_flow.while_loop),
+        # Builders that set the variable scope's caching device and put it back
+        # only on success, called through their modules by the v2 API.
+        (map_fn_ops, "map_fn", _control_flow.variable_scope_kept),
+        (functional_ops, "scan", _control_flow.variable_scope_kept),
+        (functional_ops, "foldl", _control_flow.variable_scope_kept),
+        (functional_ops, "foldr", _control_flow.variable_scope_kept),
         # A cond's or loop's gradient after tf.gradients went through it.
         (cond_v2, "_grad_fn", _control_gradients.branch_gradient),
         (while_v2, "_create_grad_func", _control_gradients.loop_gradient),

@@ -86,6 +86,7 @@ try:
         control_flow_util,
         control_flow_util_v2,
         default_gradient,
+        functional_ops,
         gen_array_ops,
         gen_dataset_ops,
         gen_experimental_dataset_ops,
@@ -100,8 +101,12 @@ try:
         standard_ops,
         state_ops,
         tensor_array_ops,
+        variable_scope,
         while_v2,
     )
+
+    # tf.map_fn's module (its function has the module's name).
+    from tensorflow.python.ops import map_fn as map_fn_ops
 
     # The graph class of a tf.cond branch or while body.
     from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
@@ -328,6 +333,7 @@ __all__ = [
     "eager_tape",
     "executing_eagerly",
     "forwardprop",
+    "functional_ops",
     "gen_array_ops",
     "gen_resource_variable_ops",
     "gen_state_ops",
@@ -335,6 +341,7 @@ __all__ = [
     "gradients_util",
     "handle_data_util",
     "indexed_slices",
+    "map_fn_ops",
     "math_ops",
     "nest",
     "op_callbacks",
@@ -353,6 +360,7 @@ __all__ = [
     "tensor_conversion_registry",
     "tensor_lib",
     "tensor_util",
+    "variable_scope",
     "tpu_ops",
     "v1_optimizer",
     "variable_utils",
