@@ -544,6 +544,18 @@ def refuse_lacking(tensors: Any, asked: str) -> None:
                 "as for a Hessian-vector product): TensorFlow's forward mode has no tangent for the "
                 "intermediates that gradient reads, so the jvp would miss their part."
             )
+        elif any(r.forward for r in _recorders.recording_now()):
+            # The gradient is taken while an accumulator records: the jvp asked
+            # later is of this gradient (a hypergradient through optimizer
+            # steps in forward mode is such a program).
+            what = (
+                "A tape's gradient taken while a ForwardAccumulator records, through a compiled tf.cond, "
+                "case or graph loop the accumulator differentiated (forward over reverse: the jvp of "
+                "this gradient, as through Keras SGD(gradient_accumulation_steps=...) or "
+                "LossScaleOptimizer steps): TensorFlow's forward mode has no tangent for the "
+                "intermediates that gradient reads, so the jvp would miss their part."
+            )
+            raise ControlFlowWriteError(f"{what} {_FORWARD_OVER_REVERSE_INSTEAD}")
         else:
             what = (
                 "A tape's gradient of a value computed from a ForwardAccumulator's tangents through a "
@@ -558,6 +570,13 @@ def refuse_lacking(tensors: Any, asked: str) -> None:
 _SECOND_ORDER_INSTEAD = (
     "Branch or loop in Python (unrolled while tracing, it is right), run the function eagerly, or take "
     "the second derivative in reverse mode (a tape around the gradient's tape)."
+)
+
+# What to do instead of a jvp of a gradient taken under the accumulator.
+_FORWARD_OVER_REVERSE_INSTEAD = (
+    "Take the derivative in reverse mode instead (a persistent AssignAwareTape around the steps, "
+    "its gradient with respect to what the accumulator's tangents are for), branch or loop in "
+    "Python (unrolled while tracing, it is right), or run the function eagerly."
 )
 
 
