@@ -28,6 +28,7 @@ from assigntape._errors import NotAVariableError
 from assigntape._tf import (
     UnconnectedGradients,
     array_ops,
+    dtypes,
     gen_resource_variable_ops,
     nest,
     resource_variable_ops,
@@ -502,13 +503,20 @@ class AssignAwareTape(tf.GradientTape):
         return super().batch_jacobian(self._target_value(target), source, *args, **kwargs)
 
     def _target_value(self, target: Any) -> Any:
-        """A variable target's latest version, read on this tape: TensorFlow's
-        jacobians reshape the target, which would read the variable's own handle."""
+        """A variable target's latest version, or a version of ``versions()``,
+        read on this tape: TensorFlow's jacobians reshape and gather the
+        target, which would read the variable's own handle (or, for a version,
+        gather a resource handle, which has no gradient)."""
         var = _as_tf_variable(target)
-        if var is None:
-            return target
+        if var is not None:
+            handle = self._latest(var)
+        else:
+            var = self._record.owners.get(id(target))
+            if var is None or getattr(target, "dtype", None) != dtypes.resource:
+                return target
+            handle = target
         with self._ensure_recording():
-            return gen_resource_variable_ops.read_variable_op(self._latest(var), var.dtype)
+            return gen_resource_variable_ops.read_variable_op(handle, var.dtype)
 
     # -- diagnostics -----------------------------------------------------------
 

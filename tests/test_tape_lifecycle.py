@@ -196,6 +196,28 @@ def test_jacobian_of_a_variable_target_after_exit(mode, use_pfor):
 
 
 @modes
+@pytest.mark.parametrize("use_pfor", [True, False], ids=["pfor", "loop"])
+def test_jacobian_of_each_version_target(mode, use_pfor):
+    # A version from versions() as the jacobian's target, as it is gradient's:
+    # pfor gathered the raw handle ("a variable without handle data").
+    # Rewrite: v1 = 3x, v2 = v1 * x = 3x^2; v0 does not depend on x.
+    x, v = tf.Variable([2.0, 1.0]), tf.Variable([1.0, 1.0])
+
+    def body():
+        with AssignAwareTape(persistent=True) as tape:
+            v.assign(3.0 * x)
+            v.assign(v * x)
+        v0, v1, v2 = tape.versions(v)
+        zero = tape.jacobian(v0, x, unconnected_gradients="zero", experimental_use_pfor=use_pfor)
+        return [zero] + [tape.jacobian(h, x, experimental_use_pfor=use_pfor) for h in (v1, v2)]
+
+    zero, one, two = run(mode, body)
+    np.testing.assert_allclose(zero, np.zeros([2, 2]))
+    np.testing.assert_allclose(one, np.diag([3.0, 3.0]))
+    np.testing.assert_allclose(two, np.diag(6.0 * np.array([2.0, 1.0])))
+
+
+@modes
 def test_batch_jacobian_of_a_variable_target_after_exit(mode):
     x, v = tf.Variable([[1.0, 2.0], [-1.0, 0.5]]), tf.Variable(tf.zeros([2, 2]))
 
