@@ -104,17 +104,44 @@ def _recording_tapes(scope: Scope) -> List[Any]:
 def recorded_by(scope: Scope, tensors: Sequence[Any]) -> bool:
     """Whether ``scope``'s recording tapes (a replica's, from its ``merge_call``)
     would follow a gradient into any of ``tensors``."""
-    theirs = _recording_tapes(scope)
-    # Pushed here, each would be numbered again (``_nesting``).
-    numbers = _nesting.saved([tape._tape for tape in theirs])
-    for tape in theirs:
-        eager_tape.push_tape(tape)
-    try:
+    with _tapes_moved(_recording_tapes(scope), push=True):
         return bool(pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop(tensors))
-    finally:
-        for tape in reversed(theirs):
-            eager_tape.pop_tape(tape)
+
+
+@contextlib.contextmanager
+def _tapes_moved(tapes: Sequence[Any], push: bool) -> Iterator[None]:
+    """Runs the block with ``tapes`` pushed onto this thread's set (``push``)
+    or popped from it, then as they were, their nesting numbers kept
+    (``_nesting``: pushed, each would be numbered again).
+
+    All or nothing, as ``acting_for``, an interrupt landing between a move
+    and its note included: TensorFlow's push of a tape already in the set
+    does nothing, but its pop of one not in it drops a reference it does
+    not hold. So the notes err on the side of a push: a push is noted after
+    it, a pop before it; undoing a push drops its note first, undoing a pop
+    pushes before it drops the note; the undoing runs once more if
+    interrupted."""
+    numbers = _nesting.saved([tape._tape for tape in tapes])
+    moved: List[Any] = []
+
+    def undo() -> None:
+        if push:
+            while moved: eager_tape.pop_tape(moved.pop())  # noqa: E701  # fmt: skip
+        else:
+            while moved: eager_tape.push_tape(moved[-1]); moved.pop()  # noqa: E701, E702  # fmt: skip
         _nesting.restore(numbers)
+
+    try:
+        if push:
+            for tape in tapes: eager_tape.push_tape(tape); moved.append(tape)  # noqa: E701, E702  # fmt: skip
+        else:
+            for tape in reversed(tapes): moved.append(tape); eager_tape.pop_tape(tape)  # noqa: E701, E702  # fmt: skip
+        yield
+    finally:
+        try: undo()  # noqa: E701  # fmt: skip
+        except BaseException:
+            undo()
+            raise
 
 
 def refuse_foreign_inputs(var: Any, op_name: str, tensors: Sequence[Any]) -> None:
@@ -132,10 +159,7 @@ def refuse_foreign_inputs(var: Any, op_name: str, tensors: Sequence[Any]) -> Non
     unseen = [t for t in tensors if not pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop([t])]
     if not unseen:
         return
-    numbers = _nesting.saved([tape._tape for tape in mine])
-    for tape in reversed(mine):
-        eager_tape.pop_tape(tape)
-    try:
+    with _tapes_moved(mine, push=False):
         for other in merging:
             if other is not acting and recorded_by(other, unseen):
                 raise UntrackedWriteError(
@@ -147,10 +171,6 @@ def refuse_foreign_inputs(var: Any, op_name: str, tensors: Sequence[Any]) -> Non
                     "update function, or step each replica's own components (aggregation=NONE "
                     "variables, assign_sub) in replica context inside the tape."
                 )
-    finally:
-        for tape in mine:
-            eager_tape.push_tape(tape)
-        _nesting.restore(numbers)
 
 
 @contextlib.contextmanager
