@@ -109,22 +109,32 @@ def recorded_by(scope: Scope, tensors: Sequence[Any]) -> bool:
 
 
 @contextlib.contextmanager
-def _tapes_moved(tapes: Sequence[Any], push: bool) -> Iterator[None]:
+def _tapes_moved(
+    tapes: Sequence[Any],
+    push: bool,
+    accumulators: Sequence[Any] = (),
+    then: Tuple[Callable[[], None], Callable[[], None]] = (lambda: None, lambda: None),
+) -> Iterator[None]:
     """Runs the block with ``tapes`` pushed onto this thread's set (``push``)
-    or popped from it, then as they were, their nesting numbers kept
-    (``_nesting``: pushed, each would be numbered again).
+    or popped from it, and ``accumulators`` added to its set of forward
+    accumulators, then as they were, the nesting numbers of all kept
+    (``_nesting``: pushed, each would be numbered again, in this order,
+    whatever their order where they were entered). ``then``: what else to do
+    once they are moved, and how to undo it (first), on the same terms.
 
-    All or nothing, as ``acting_for``, an interrupt landing between a move
-    and its note included: TensorFlow's push of a tape already in the set
-    does nothing, but its pop of one not in it drops a reference it does
-    not hold. So the notes err on the side of a push: a push is noted after
-    it, a pop before it; undoing a push drops its note first, undoing a pop
-    pushes before it drops the note; the undoing runs once more if
-    interrupted."""
-    numbers = _nesting.saved([tape._tape for tape in tapes])
+    All or nothing, an interrupt landing between a move and its note
+    included: TensorFlow's push of a tape already in the set does nothing,
+    but its pop of one not in it drops a reference it does not hold. So the
+    notes err on the side of a push: a push is noted after it, a pop before
+    it; undoing a push drops its note first, undoing a pop pushes before it
+    drops the note; the undoing runs once more if interrupted."""
+    numbers = _nesting.saved([tape._tape for tape in tapes] + list(accumulators))
     moved: List[Any] = []
+    added: List[Any] = []
 
     def undo() -> None:
+        then[1]()
+        while added: pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(added.pop())  # noqa: E701  # fmt: skip
         if push:
             while moved: eager_tape.pop_tape(moved.pop())  # noqa: E701  # fmt: skip
         else:
@@ -136,6 +146,9 @@ def _tapes_moved(tapes: Sequence[Any], push: bool) -> Iterator[None]:
             for tape in tapes: eager_tape.push_tape(tape); moved.append(tape)  # noqa: E701, E702  # fmt: skip
         else:
             for tape in reversed(tapes): moved.append(tape); eager_tape.pop_tape(tape)  # noqa: E701, E702  # fmt: skip
+        for accumulator in accumulators: pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator); added.append(accumulator)  # noqa: E701, E702, E501  # fmt: skip
+        _nesting.restore(numbers)
+        then[0]()
         yield
     finally:
         try: undo()  # noqa: E701  # fmt: skip
@@ -182,38 +195,22 @@ def acting_for(scope: Scope, merging: Sequence[Scope]) -> Iterator[None]:
     variables they read are watched as the replica's reads are
     (``_distribute.watched_as_replica``, an ``acting_checks`` patch)."""
     saved = getattr(_tls, "scopes", None), getattr(_tls, "merging", ())
-    recording = _recording_tapes(scope)
-    accumulators = _recording_accumulators(scope)
-    # Pushed here, each is numbered again, in this order, whatever their
-    # order in the replica (a tape entered inside an accumulator would count
-    # as outside it): their own numbers, while acting and after (``_nesting``).
-    numbers = _nesting.saved([tape._tape for tape in recording] + accumulators)
-    # All or nothing: each change is noted on the line that makes it (no line
-    # between for an exception, a KeyboardInterrupt, to land on), and undone
-    # from those notes; the undoing runs once more if interrupted.
-    pushed: List[Any] = []
-    added: List[Any] = []
+    # Pushed here, each is numbered again, whatever its order in the replica
+    # (a tape entered inside an accumulator would count as outside it): their
+    # own numbers, while acting and after (``_tapes_moved``). All or nothing,
+    # as there: the count is noted on the line that makes it.
     counted: List[bool] = []
 
+    def act() -> None:
+        _tls.scopes, _tls.merging = {scope.key: scope}, tuple(merging)
+        _count_acting(1); counted.append(True)  # noqa: E702  # fmt: skip
+
     def undo() -> None:
-        while added: pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(added.pop())  # noqa: E701  # fmt: skip
-        while pushed: eager_tape.pop_tape(pushed.pop())  # noqa: E701  # fmt: skip
-        _nesting.restore(numbers)
         _tls.scopes, _tls.merging = saved
         if counted: _count_acting(-1); counted.clear()  # noqa: E701, E702  # fmt: skip
 
-    try:
-        _tls.scopes, _tls.merging = {scope.key: scope}, tuple(merging)
-        for tape in recording: eager_tape.push_tape(tape); pushed.append(tape)  # noqa: E701, E702  # fmt: skip
-        for accumulator in accumulators: pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator); added.append(accumulator)  # noqa: E701, E702, E501  # fmt: skip
-        _nesting.restore(numbers)
-        _count_acting(1); counted.append(True)  # noqa: E702  # fmt: skip
+    with _tapes_moved(_recording_tapes(scope), True, _recording_accumulators(scope), (act, undo)):
         yield
-    finally:
-        try: undo()  # noqa: E701  # fmt: skip
-        except BaseException:
-            undo()
-            raise
 
 
 def acting() -> bool:

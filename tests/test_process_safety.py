@@ -870,7 +870,7 @@ def test_an_exception_at_any_line_of_acting_for_a_replica_leaves_this_thread_as_
     previous = sys.gettrace()
     try:
         for n in range(1, 200):
-            injector = _Injector(n, functions=("acting_for", "undo"))
+            injector = _Injector(n, functions=("acting_for", "_tapes_moved", "act", "undo"))
             injector.armed = 1
             sys.settrace(injector.trace)
             try:
@@ -909,6 +909,59 @@ def test_an_exception_at_any_line_of_acting_for_a_replica_leaves_this_thread_as_
         thread.join()
     assert n > 5 and not injector.fired
     assert not failures, failures[:5]
+
+
+# Acting for a replica, a write whose value this replica's tape did not
+# record is checked against the other replicas' tapes with this thread's own
+# tapes popped (``_threads._tapes_moved(push=False)``, from
+# ``refuse_foreign_inputs``): an exception at any of its lines leaves this
+# thread's tape on its set, once (popped twice, TensorFlow drops a reference
+# it does not hold: the code before crashed the process here), and its
+# nesting order as it was. In a subprocess: a crash fails the test.
+_SET_ASIDE = """
+    import sys
+    sys.path.insert(0, TESTS)
+    import tensorflow as tf
+    from assigntape import AssignAwareTape, _threads
+    from test_process_safety import _Injected, _Injector
+
+    a = tf.Variable(2.0)
+    failures = []
+    with tf.autodiff.ForwardAccumulator(a, tf.constant(1.0)) as acc:
+        with AssignAwareTape(persistent=True) as tape:
+            for n in range(1, 200):
+                injector = _Injector(n, functions=("_tapes_moved", "undo"))
+                injector.armed = 1
+                sys.settrace(injector.trace)
+                try:
+                    with _threads._tapes_moved([tape._tape], push=False):
+                        inside = a * 7.0  # the tape is set aside here
+                except _Injected:
+                    inside = None
+                finally:
+                    sys.settrace(None)
+                # y = 3a: dy/da = 3 on the tape, and the accumulator's jvp
+                # (entered before it) 3: still inside it, not recorded twice.
+                y = a * 3.0
+                grad, jvp = tape.gradient(y, a), acc.jvp(y)
+                if grad is None or float(grad) != 3.0 or jvp is None or float(jvp) != 3.0:
+                    failures.append((n, f"gradient {grad}, jvp {jvp}"))
+                if inside is not None and tape.gradient(inside, a) is not None:
+                    failures.append((n, "recorded while set aside"))
+                if not injector.fired:
+                    break
+    print("SWEPT", n, injector.fired, flush=True)
+    print("FAILURES", failures[:5], flush=True)
+"""
+
+
+def test_an_exception_at_any_line_of_setting_this_threads_tapes_aside_puts_them_back():
+    tests = os.path.dirname(os.path.abspath(__file__))
+    done = _run_python(f"TESTS = {tests!r}\n" + textwrap.dedent(_SET_ASIDE))
+    assert done.returncode == 0, f"the process died ({done.returncode}):\n{done.stdout}\n{done.stderr[-3000:]}"
+    swept, failures = _lines(done.stdout, "SWEPT "), _lines(done.stdout, "FAILURES ")
+    assert swept and int(swept[0].split()[0]) > 3 and swept[0].endswith("False"), done.stdout
+    assert failures == ["[]"], failures
 
 
 # A thread enters tapes of ours (one kept by an object that outlives the
