@@ -201,17 +201,30 @@ def _place(accumulator: Any, recording: bool) -> None:
     set of accumulators, where it was entered: the ones entered after it are
     taken out first and put back after it."""
     after = _entered_after(accumulator)
-    # Each change and its note on one line (no line between for an exception,
-    # a KeyboardInterrupt, to land on): TensorFlow's set refuses an
-    # accumulator added twice and crashes on one removed twice. The ones
-    # taken out are put back whatever happens.
+    # Each change and its note on one line, the note erring on the side of
+    # an accumulator in the set (an exception, a KeyboardInterrupt, may land
+    # between the two, even on one line): TensorFlow's set refuses an
+    # accumulator added twice (``_add`` lets it be) but crashes on one removed
+    # twice. So a removal is noted before it is made, an addition after. The
+    # ones taken out are put back whatever happens.
     removed: List[Any] = []
     try:
-        for other in reversed(after): pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(other._accumulator); removed.append(other)  # noqa: E701, E702, E501  # fmt: skip
-        if recording and not accumulator._recording: pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator._accumulator); accumulator._recording = True  # noqa: E701, E702, E501  # fmt: skip
-        if not recording and accumulator._recording: pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(accumulator._accumulator); accumulator._recording = False  # noqa: E701, E702, E501  # fmt: skip
+        for other in reversed(after): removed.append(other); pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(other._accumulator)  # noqa: E701, E702, E501  # fmt: skip
+        if recording and not accumulator._recording: _add(accumulator._accumulator); accumulator._recording = True  # noqa: E701, E702, E501  # fmt: skip
+        if not recording and accumulator._recording: accumulator._recording = False; pywrap_tfe.TFE_Py_ForwardAccumulatorSetRemove(accumulator._accumulator)  # noqa: E701, E702, E501  # fmt: skip
     finally:
-        while removed: pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(removed[-1]._accumulator); removed.pop()  # noqa: E701, E702  # fmt: skip
+        while removed: _add(removed[-1]._accumulator); removed.pop()  # noqa: E701, E702  # fmt: skip
+
+
+def _add(accumulator: Any) -> None:
+    """Adds ``accumulator`` (TensorFlow's C object) to this thread's set; one
+    in it already (an interrupt landed between the note of its removal and
+    the removal) stays as it is."""
+    try:
+        pywrap_tfe.TFE_Py_ForwardAccumulatorSetAdd(accumulator)
+    except Exception as error:  # noqa: BLE001 - TensorFlow's status exception has no public type
+        if "twice" not in str(error):
+            raise
 
 
 def _entered_after(accumulator: Any) -> List[Any]:
