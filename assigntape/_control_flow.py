@@ -466,7 +466,9 @@ def variable_scope_kept(wrapped: Callable[..., Any], instance: Any, args: Any, k
     ``tf.distribute`` strategy scope or ``tf.compat.v1.variable_scope`` entered
     eagerly would raise NotImplementedError ("Caching devices is not yet
     supported when eager execution is enabled"). So it is put back when one of
-    our errors leaves; any other error is left to TensorFlow, as without us.
+    our errors leaves, or a KeyboardInterrupt (which may land in our code,
+    most of what runs there while a tape is open); any other error is left to
+    TensorFlow, as without us.
     """
     if context.executing_eagerly():  # (as they do: eagerly nothing is set)
         return wrapped(*args, **kwargs)
@@ -474,6 +476,6 @@ def variable_scope_kept(wrapped: Callable[..., Any], instance: Any, args: Any, k
     device = scope.caching_device
     try:
         return wrapped(*args, **kwargs)
-    except AssignTapeError:
+    except (AssignTapeError, KeyboardInterrupt):
         scope.set_caching_device(device)
         raise

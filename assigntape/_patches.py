@@ -324,11 +324,8 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (cond_v2, "indexed_case", _control_flow.indexed_case),
         (while_v2, "while_loop", _control_flow.while_loop),
         # Builders that set the variable scope's caching device and put it back
-        # only on success, called through their modules by the v2 API.
-        (map_fn_ops, "map_fn", _control_flow.variable_scope_kept),
-        (functional_ops, "scan", _control_flow.variable_scope_kept),
-        (functional_ops, "foldl", _control_flow.variable_scope_kept),
-        (functional_ops, "foldr", _control_flow.variable_scope_kept),
+        # only on success (_control_flow).
+        *[(owner, name, _control_flow.variable_scope_kept) for owner, name in _variable_scope_builders()],
         # A cond's or loop's gradient after tf.gradients went through it.
         (cond_v2, "_grad_fn", _control_gradients.branch_gradient),
         (while_v2, "_create_grad_func", _control_gradients.loop_gradient),
@@ -349,6 +346,18 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (signal, "signal", _signals.setsignal),
         (signal, "getsignal", _signals.getsignal),
     ]
+
+
+def _variable_scope_builders() -> List[Tuple[Any, str]]:
+    """Where ``tf.map_fn``, ``scan``, ``foldl`` and ``foldr`` are found: their
+    modules, where the v2 API's functions call them, and ``tf.compat.v1``'s
+    API modules (and ``standard_ops``), which hold the functions themselves."""
+    names = ("map_fn", "scan", "foldl", "foldr")
+    found: List[Tuple[Any, str]] = [(map_fn_ops, "map_fn")] + [(functional_ops, n) for n in names[1:]]
+    apis = (tf.compat.v1, tf.compat.v1.compat.v1, tf.compat.v2.compat.v1, standard_ops)
+    for api in {id(module): module for module in apis}.values():
+        found += [(api, n) for n in names if hasattr(api, n)]
+    return found
 
 
 def _dormant(function: Callable[..., Any]) -> Callable[..., Any]:

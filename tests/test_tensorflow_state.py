@@ -34,6 +34,11 @@ BUILDERS: Dict[str, Callable[[Callable[[Any], Any]], Any]] = {
     "scan": lambda fn: tf.scan(lambda acc, e: acc + fn(e), _elems(), initializer=0.0),
     "foldl": lambda fn: tf.foldl(lambda acc, e: acc + fn(e), _elems(), initializer=0.0),
     "foldr": lambda fn: tf.foldr(lambda acc, e: acc + fn(e), _elems(), initializer=0.0),
+    # tf.compat.v1's API holds the functions themselves, not their modules'.
+    "v1.map_fn": lambda fn: tf.compat.v1.map_fn(fn, _elems()),
+    "v1.scan": lambda fn: tf.compat.v1.scan(lambda acc, e: acc + fn(e), _elems(), initializer=0.0),
+    "v1.foldl": lambda fn: tf.compat.v1.foldl(lambda acc, e: acc + fn(e), _elems(), initializer=0.0),
+    "v1.foldr": lambda fn: tf.compat.v1.foldr(lambda acc, e: acc + fn(e), _elems(), initializer=0.0),
 }
 
 
@@ -80,6 +85,28 @@ def test_write_refusal_in_a_tf1_graph_builder_leaves_the_graphs_variable_scope(b
             w = tf.compat.v1.get_variable("w", shape=(), initializer=tf.compat.v1.zeros_initializer())
         assert w.name == "after/w:0"
     assert _strategy_scope_works()
+
+
+@pytest.mark.parametrize("builder", list(BUILDERS))
+def test_an_interrupt_in_a_compiled_builder_leaves_the_variable_scope(builder: str) -> None:
+    # A KeyboardInterrupt may land in our code, most of what runs in fn while
+    # a tape is open (here raised by fn itself, after a write of ours).
+    v = tf.Variable(1.0)
+
+    def fn(e: Any) -> Any:
+        v.assign_add(e)
+        raise KeyboardInterrupt
+
+    @tf.function(autograph=False)
+    def f() -> Any:
+        with AssignAwareTape():
+            return BUILDERS[builder](fn)
+
+    with pytest.raises(KeyboardInterrupt):
+        f()
+    assert variable_scope.get_variable_scope().caching_device is None
+    assert _strategy_scope_works()
+    assert float(v.numpy()) == 1.0
 
 
 @pytest.mark.parametrize("builder", list(BUILDERS))
