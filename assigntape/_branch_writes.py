@@ -563,8 +563,14 @@ def written_again(handles: List[Any], variables: List[Any], final: List[Any]) ->
         return [array_ops.identity(value) for value in final]
 
 
-class _NotCarried(Exception):
-    """Internal: a loop body wrote a variable its loop did not carry."""
+class _NotCarried(BaseException):
+    """Internal: a loop body wrote a variable its loop did not carry.
+
+    A ``BaseException``, as ``GeneratorExit`` is: it passes through the
+    user's loop body on its way to ``_control_flow.while_loop``, and an
+    ``except Exception`` there (logging and going on) must not take it for
+    an error of the write (the loop would not be traced again, and its
+    gradient would silently be None)."""
 
 
 # The retry request travels beside the exception: AutoGraph and TensorFlow may

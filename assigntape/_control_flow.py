@@ -20,6 +20,7 @@ from assigntape._branch_writes import (
     _entering,
     _inherit,
     _leave,
+    _NotCarried,
     _open,
     _read_now,
     _retry,
@@ -192,12 +193,14 @@ def while_loop(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: An
         try:
             with _entering():
                 return _carrying(wrapped, arguments, scope, parent, carried, token)
-        except Exception:
+        except BaseException as error:
             request = getattr(_retry, "request", None)
             if request is None or request[0] is not token:
                 raise
             _retry.request = None
-            if any(v is request[1] for v in carried):
+            # (``_NotCarried``, or an error TensorFlow made of it; an interrupt
+            # meanwhile is not a request.)
+            if not isinstance(error, (_NotCarried, Exception)) or any(v is request[1] for v in carried):
                 raise
             carried.append(request[1])
 

@@ -199,3 +199,30 @@ def test_loop_variable_first_defined_inside_the_loop():
     # v = v0 a^2, last = 4 a^3: dy/da = 12 a + 12 a^2 = 72 at a = 2.
     assert float(program(2)) == 72.0
     assert float(tf.function(program)(tf.constant(2))) == 72.0
+
+
+def test_a_write_in_a_loop_body_inside_the_users_try_except_exception():
+    # The body's write asks the loop to trace again, carrying the variable;
+    # the request passes through the user's code. An ``except Exception``
+    # there (logging and going on) must not see it: plain TensorFlow raises
+    # nothing there. Rewrite: v = x^3 after three steps, dy/dx = 3x^2 = 12.
+    x, v = tf.Variable(2.0), tf.Variable(1.0)
+    caught = []
+
+    def write(value):
+        try:
+            v.assign(value)
+        except Exception as error:
+            caught.append(error)
+
+    @tf.function
+    def f():
+        v.assign(1.0)
+        with AssignAwareTape() as tape:
+            tf.while_loop(lambda i: i < 3, lambda i: (write(v * x), i + 1)[1], [0])
+            y = v * 1.0
+        return y, tape.gradient(y, x)
+
+    y, grad = f()
+    assert caught == []
+    assert float(y) == 8.0 and grad is not None and float(grad) == 12.0
