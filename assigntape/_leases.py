@@ -15,7 +15,7 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, Set, Tuple
 
-__all__ = ["lock", "take", "give", "count", "closed", "closed_refs", "plain", "take_plain", "forget_threads"]
+__all__ = ["lock", "take", "give", "count", "prune", "closed", "closed_refs", "plain", "take_plain", "forget_threads"]
 
 # Reentrant: ``_patches`` installs and takes its lease under it in one step.
 lock = threading.RLock()
@@ -66,7 +66,19 @@ def holds(holder: Any) -> bool:
 
 def count() -> int:
     """Open tapes, closed tapes, and plain tapes that ran beside one."""
+    prune()
     return len(_open) + len(closed) + len(plain)
+
+
+def prune() -> None:
+    """Drops the references to records and tapes that are gone, which the
+    weak sets' own callback left: an exception landing in it (a
+    KeyboardInterrupt as a tape is freed) is swallowed by Python with the
+    reference still there, and the patches would be needed for good."""
+    for weak in (closed, plain):
+        refs = weak.data  # type: ignore[attr-defined]
+        for ref in [r for r in refs if r() is None]:
+            refs.discard(ref)
 
 
 def forget_threads(gone: Callable[[int], bool]) -> None:

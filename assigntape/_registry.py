@@ -195,6 +195,8 @@ def hold_closed(tape_record: Record) -> None:
 
 def _hold_closed_locked(tape_record: Record) -> None:
     global _active_at
+    # (References to records gone that an interrupt left: ``_leases.prune``.)
+    _leases.prune()
     _leases.closed.add(tape_record)
     # (A forked child forgets the tapes other threads closed: ``_after_fork_in_child``.)
     tape_record.closed_in = threading.get_ident()
@@ -260,6 +262,7 @@ def _unlist_listed_locked(scope: Scope) -> None:
         _all_scopes.remove(scope)
     if not _all_scopes:
         _serve_versions(False)
+        _leases.prune()
         _active_at = time.monotonic()
 
 

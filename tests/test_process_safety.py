@@ -1025,3 +1025,59 @@ def test_tapes_left_open_by_a_thread_that_ended_do_not_bind_the_others():
     done = _run_python(_DEAD_THREAD)
     assert done.returncode == 0, f"{done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
     assert "CODE 0" in done.stdout, done.stdout
+
+
+def test_an_interrupt_in_the_weak_sets_callback_as_a_tape_is_freed_leaves_nothing_behind():
+    """A KeyboardInterrupt landing in ``WeakSet._remove`` (the callback that
+    drops a closed tape's record from the closed set as it is freed) is
+    swallowed by Python with the dead reference left in the set: the next
+    tape's exit drops it, and ``uninstall()`` (which counts the tapes that
+    need the patches) does not count it (it refused for good before)."""
+    import gc
+
+    import tensorflow as tf
+
+    import assigntape
+    from assigntape import AssignAwareTape, _leases
+
+    x, v = tf.Variable(2.0), tf.Variable(1.0)
+
+    def step():
+        with AssignAwareTape(persistent=True) as tape:
+            v.assign(3.0 * x)
+            y = v * v
+        return float(tape.gradient(y, x))  # the tape and its record die here
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_name == "_remove" and frame.f_code.co_filename.endswith("_weakrefset.py"):
+
+            def local(frame, event, arg):
+                if event == "line":
+                    sys.settrace(None)
+                    raise _Injected("as WeakSet._remove runs")
+                return local
+
+            return local
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        assert step() == 36.0  # y = 9x^2: 18x
+    finally:
+        sys.settrace(previous)
+    gc.collect()
+    assert any(ref() is None for ref in _leases.closed_refs)  # what the interrupt left
+    with AssignAwareTape() as tape:  # the next tape's exit drops it
+        v.assign(x * x)
+        y = v * 1.0
+    assert float(tape.gradient(y, x)) == 4.0
+    assert not any(ref() is None for ref in _leases.closed_refs)
+    sys.settrace(tracer)
+    try:
+        assert step() == 36.0
+    finally:
+        sys.settrace(previous)
+    gc.collect()
+    assigntape.uninstall()  # (refused before: "1 tape(s) still need the patches")
+    assert _leases.count() == 0
