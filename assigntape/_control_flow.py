@@ -266,10 +266,15 @@ def _refuse_read_tangents(scope: Any, token: Any, carried: List[str]) -> None:
                 if id(outside) in seen_as or id(inside) in seen_as:
                     seen_as[id(outside)], seen_as[id(inside)] = outside, inside
             outer = getattr(outer, "outer_graph", None)
-        # Its own handle, or a version written before the loop.
-        var = _versions.variable_of_handle(external)
-        if var is None:
-            var = scope.owners.get(id(external))
+        # Its own handle, or a version written before the loop, as seen in
+        # any of the graphs around (a function pfor traces captures it again).
+        var = None
+        for handle in seen_as.values():
+            var = _versions.variable_of_handle(handle)
+            if var is None:
+                var = scope.owners.get(id(handle))
+            if var is not None:
+                break
         if var is not None and var._unique_id in carried:
             continue  # written in the body: its value is carried, its handle written through
         _, tangents = pywrap_tfe.TFE_Py_PackJVPs(list(seen_as.values()))

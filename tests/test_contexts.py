@@ -714,6 +714,24 @@ def test_vectorized_map_reading_a_variable_after_writing_it_in_the_tapes_functio
         _write_then_read_mapped(tf.vectorized_map)()
 
 
+@pytest.mark.parametrize("mapper", [tf.map_fn, tf.vectorized_map], ids=["map_fn", "vectorized_map"])
+def test_forward_mode_through_a_loop_reading_a_variable_with_a_tangent_names_it(mapper: Any) -> None:
+    # The refusal's workaround (read it once before the loop) needs its name;
+    # through vectorized_map (pfor traces the body in a function of its own,
+    # which captures the handle again) it said "a variable".
+    x, v = tf.Variable(2.0, name="x_read"), tf.Variable(1.0, name="v_written")
+
+    @tf.function
+    def f() -> Any:
+        with tf.autodiff.ForwardAccumulator([x, v], [tf.constant(1.0)] * 2) as acc:
+            with AssignAwareTape():
+                y = tf.reduce_sum(mapper(lambda e: (v.assign_add(x * e), v * e)[1], tf.constant([1.0, 2.0])))
+        return acc.jvp(y)
+
+    with pytest.raises(ControlFlowWriteError, match=r"reads variable '(x_read|v_written):0'"):
+        f()
+
+
 def test_map_fn_reading_a_variable_after_writing_it_in_the_tapes_function_is_right() -> None:
     """The workaround the refusal names: y = 2 sum(v0 x e) + sum(v0 x e) with
     v0 = 1, e = 1 is 9 x, so dy/dx = 9 (by hand)."""
