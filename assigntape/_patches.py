@@ -354,8 +354,9 @@ def _variable_scope_builders() -> List[Tuple[Any, str]]:
     API modules (and ``standard_ops``), which hold the functions themselves."""
     names = ("map_fn", "scan", "foldl", "foldr")
     found: List[Tuple[Any, str]] = [(map_fn_ops, "map_fn")] + [(functional_ops, n) for n in names[1:]]
-    apis = (tf.compat.v1, tf.compat.v1.compat.v1, tf.compat.v2.compat.v1, standard_ops)
-    for api in {id(module): module for module in apis}.values():
+    nested = [getattr(getattr(tf.compat, v, None), "compat", None) for v in ("v1", "v2")]
+    apis = [tf.compat.v1, *[getattr(c, "v1", None) for c in nested], standard_ops]
+    for api in {id(module): module for module in apis if module is not None}.values():
         found += [(api, n) for n in names if hasattr(api, n)]
     return found
 
