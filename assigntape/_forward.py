@@ -83,8 +83,15 @@ class ForwardAccumulator(forwardprop.ForwardAccumulator):
         # accumulator is not open; each entry is then an entry again, which
         # makes such a write a version with no tangent (as for a tape).
         writes = _ForwardOnlyTape(watch_accessed_variables=False)
-        writes.__enter__()
-        writes.__exit__(None, None, None)
+        # Closed whatever lands between (a KeyboardInterrupt): no object of the
+        # user's could close it. (Its entry is all or nothing, its exit always
+        # finishes; one line, so that no line event falls between: see
+        # _plain_tapes.enter_method.)
+        try: writes.__enter__(); writes.__exit__(None, None, None)  # noqa: E701, E702  # fmt: skip
+        except BaseException:
+            if writes._recording:
+                writes.__exit__(None, None, None)
+            raise
         # Where the internal tape does not see a version made (a write made
         # while the accumulator was not open, at the variable's first read in
         # it), neither does the accumulator: set aside with it, in its

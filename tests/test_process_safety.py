@@ -1081,3 +1081,51 @@ def test_an_interrupt_in_the_weak_sets_callback_as_a_tape_is_freed_leaves_nothin
     gc.collect()
     assigntape.uninstall()  # (refused before: "1 tape(s) still need the patches")
     assert _leases.count() == 0
+
+
+def test_an_exception_at_any_line_of_making_a_forward_accumulator_leaves_no_tape_open():
+    """``assigntape.ForwardAccumulator``'s constructor enters and closes its
+    internal tape: an exception at any of its lines (a KeyboardInterrupt)
+    leaves that tape closed, TensorFlow's tape set as it was, and the process
+    as it was: a write in a ``tf.function`` outside every tape is plain
+    TensorFlow, and ``uninstall()`` succeeds (the tape stayed open for good,
+    and both were refused, before)."""
+    import tensorflow as tf
+
+    import assigntape
+    from assigntape import ForwardAccumulator
+    from assigntape._tf import pywrap_tfe
+
+    class _InConstructor(_Injector):
+        def trace(self, frame, event, arg):  # the constructor's own lines
+            code = frame.f_code
+            return self.line if code.co_filename.endswith("_forward.py") and code.co_name == "__init__" else None
+
+    a, w = tf.Variable(2.0), tf.Variable(0.0)
+    write = tf.function(lambda: w.assign(a * 3.0))
+    failures = []
+    previous = sys.gettrace()
+    for n in range(1, 60):
+        injector = _InConstructor(n)
+        injector.armed = 1
+        sys.settrace(injector.trace)
+        try:
+            ForwardAccumulator(a, tf.constant(1.0))
+        except _Injected:
+            pass
+        finally:
+            sys.settrace(previous)
+        left = []
+        if not pywrap_tfe.TFE_Py_TapeSetIsEmpty():
+            left.append("a tape open")
+        try:
+            write()
+            assigntape.uninstall()
+        except Exception as error:
+            left.append(f"{type(error).__name__}: {str(error)[:100]}")
+        if left:
+            failures.append((n, left))
+        if not injector.fired:
+            break
+    assert n > 5 and not injector.fired
+    assert not failures, failures[:5]
