@@ -296,7 +296,7 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
         # by a function whose trace noted nothing (traced before import assigntape).
         unlisted += _dataset_graphs.captured_writes(instance, captured_in)
         _dataset_graphs.refuse_unlisted(scope.key is not None, unlisted, _context(instance))
-    writes = variables_written(scope, found_writes)
+    writes = [] if _wrapping_a_cond_being_built(instance) else variables_written(scope, found_writes)
     if not writes:
         return _run_under_tape(instance, wrapped, tensor_inputs, captured)
     if scope.key is not None and _inlining():
@@ -307,6 +307,26 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     result = _run_under_tape(instance, wrapped, tensor_inputs, captured)
     cut_writes(scope, writes, context)
     return result
+
+
+def _wrapping_a_cond_being_built(instance: Any) -> bool:
+    """Whether ``instance`` is the function call TensorFlow puts around a cond,
+    case or loop (``cflow_gradient_wrapper``) that ``_control_flow`` is
+    building now in a tape's graph: its branches' writes leave it as the
+    values the cond returns, which make the variables' next versions after it
+    (followed, not out of the tape's sight)."""
+    graph = instance.graph
+    if not str(graph.name).startswith(_control_gradients._WRAPPER):
+        return False
+    building = {id(b.graph) for branches in _control_gradients._pending for b in branches}
+    if getattr(_control_gradients._carrying_now, "depth", 0):
+        building.update(id(g) for g in _control_gradients._writing_bodies)
+    return any(
+        id(g) in building
+        for op in graph.get_operations()
+        if op.type in _CONTROL_FLOW_OPS
+        for g in _called_graphs(op, graph)
+    )
 
 
 # The graphs of the functions running now for a thread with a tape open, and
