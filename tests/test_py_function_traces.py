@@ -15,9 +15,8 @@ cut.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List
-
 import contextlib
+from typing import Any, Callable, Iterator, List
 
 import numpy as np
 import pytest
