@@ -84,8 +84,22 @@ def _called_graphs(op: Any, graph: Any) -> List[Any]:
         if value.HasField("func"):
             names.append(value.func.name)
         names += [f.name for f in value.list.func]
-    found = (graph._get_function(name) for name in names)
+    found = (_function_named(graph, name) for name in names)
     return [f.graph for f in found if f is not None and getattr(f, "graph", None) is not None]
+
+
+def _function_named(graph: Any, name: str) -> Optional[Any]:
+    """The function ``name`` that an op of ``graph`` calls: registered in
+    ``graph`` or in a graph around it. (A cond or loop traced while two
+    recorders watch its inputs is wrapped in a function of its own,
+    ``cflow_gradient_wrapper``, whose graph keeps no functions: its branches
+    or bodies are registered in the graph the wrapper was traced in.)"""
+    while graph is not None:
+        found = graph._get_function(name) if hasattr(graph, "_get_function") else None
+        if found is not None:
+            return found
+        graph = getattr(graph, "outer_graph", None)
+    return None
 
 
 def _graph_writes(graph: Any) -> Dict[int, str]:
@@ -119,6 +133,11 @@ def _graph_writes(graph: Any) -> Dict[int, str]:
                     written.setdefault(position[id(op.inputs[i])], op_type)
         elif len(callees) == 1 and _passes_last(op, callees[0], "other_arguments", position, written):
             pass
+        elif op.type in _CONTROL_FLOW_OPS and all(_passes_last(op, g, "input", position, written) for g in callees):
+            # Each branch, or the loop's condition and body, takes the op's
+            # inputs one for one: an input only read there is not written
+            # (named in a refusal, or cut, in place of the one written).
+            pass
         else:
             inner = [w for g in callees for w in _graph_writes(g).values()]
             if inner:
@@ -132,8 +151,9 @@ def _graph_writes(graph: Any) -> Dict[int, str]:
 
 
 def _passes_last(op: Any, callee: Any, arg_name: str, position: Dict[int, int], written: Dict[int, str]) -> bool:
-    """For an op that gives its one function the input list ``arg_name`` as
-    that function's last inputs (a tf.data dataset op's captured arguments):
+    """For an op that gives a function of its own the input list ``arg_name`` as
+    that function's last inputs (a tf.data dataset op's captured arguments, a
+    cond's or loop's inputs):
     notes, as written, the inputs the function writes there, and only those
     (a variable the function only reads is not written). False if the op
     has no such input list."""
@@ -157,6 +177,9 @@ def _passes_last(op: Any, callee: Any, arg_name: str, position: Dict[int, int], 
         start += count
     return False
 
+
+# Ops that give each of their functions their input list ``input`` as its inputs.
+_CONTROL_FLOW_OPS = frozenset({"If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile"})
 
 # Ops whose outputs are their inputs (a handle among them names the same resource).
 _PASSES_HANDLES = frozenset({"Identity", "IdentityN"})
@@ -273,7 +296,7 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
         # by a function whose trace noted nothing (traced before import assigntape).
         unlisted += _dataset_graphs.captured_writes(instance, captured_in)
         _dataset_graphs.refuse_unlisted(scope.key is not None, unlisted, _context(instance))
-    writes = variables_written(scope, found_writes)
+    writes = [] if _wrapping_a_cond_being_built(instance) else variables_written(scope, found_writes)
     if not writes:
         return _run_under_tape(instance, wrapped, tensor_inputs, captured)
     if scope.key is not None and _inlining():
@@ -284,6 +307,26 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     result = _run_under_tape(instance, wrapped, tensor_inputs, captured)
     cut_writes(scope, writes, context)
     return result
+
+
+def _wrapping_a_cond_being_built(instance: Any) -> bool:
+    """Whether ``instance`` is the function call TensorFlow puts around a cond,
+    case or loop (``cflow_gradient_wrapper``) that ``_control_flow`` is
+    building now in a tape's graph: its branches' writes leave it as the
+    values the cond returns, which make the variables' next versions after it
+    (followed, not out of the tape's sight)."""
+    graph = instance.graph
+    if not str(graph.name).startswith(_control_gradients._WRAPPER):
+        return False
+    building = {id(b.graph) for branches in _control_gradients._pending for b in branches}
+    if getattr(_control_gradients._carrying_now, "depth", 0):
+        building.update(id(g) for g in _control_gradients._writing_bodies)
+    return any(
+        id(g) in building
+        for op in graph.get_operations()
+        if op.type in _CONTROL_FLOW_OPS
+        for g in _called_graphs(op, graph)
+    )
 
 
 # The graphs of the functions running now for a thread with a tape open, and
