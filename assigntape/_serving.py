@@ -244,10 +244,12 @@ class HandleDescriptor:
     def __get__(self, inst: Any, owner: Any = None) -> Any:
         # Every read asks this two or three times (TensorFlow fetches
         # ``v.handle`` that often, and once more for each tape watching).
-        if inst is None:
-            return self
-        d = inst.__dict__
+        # (The try first: an asynchronous exception, PyThreadState_SetAsyncExc,
+        # landing on a line before it would escape into TensorFlow's C++.)
         try:
+            if inst is None:
+                return self
+            d = inst.__dict__
             scopes = getattr(_tls, "scopes", None)
             if scopes:
                 ctx = _context._context
@@ -266,7 +268,9 @@ class HandleDescriptor:
                         )
             return d["_handle"]
         except BaseException as error:  # noqa: B036 - an interrupt too: see the class docstring
-            if "_handle" not in d:
+            if inst is None:
+                return self
+            if "_handle" not in inst.__dict__:
                 raise _no_handle(inst) from None
             return defer(error)
 
