@@ -304,6 +304,7 @@ def defer(error: BaseException) -> Any:
     fails in TensorFlow, cleanly, and its error is replaced by ``error``
     (``not_ok_status``). A first error deferred is kept over later ones."""
     if getattr(_tls, "deferred", None) is None:
+        _tls.unpoisoned = False
         _tls.deferred = error
     try:
         with ops.init_scope():
@@ -311,6 +312,8 @@ def defer(error: BaseException) -> Any:
                 dtype=dtypes.float32, shape=[], shared_name=POISON_NAME, container=""
             )
     except BaseException:  # noqa: B036 - no handle to serve: the variable's own, the error still deferred
+        # (A failed op then does not name the handle: the next one raises it.)
+        _tls.unpoisoned = True
         return _no_poison
 
 
@@ -336,11 +339,17 @@ def raise_deferred() -> None:
 
 def not_ok_status(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``ops.raise_from_not_ok_status``, which every generated op wrapper
-    calls, in Python, when its op failed in C++: a read through the handle
-    ``defer`` served has failed, and the error deferred is the one to raise."""
-    error = take_deferred()
-    if error is not None:
-        raise error.with_traceback(None) from None
+    calls, in Python, when its op failed in C++: where a read through the
+    handle ``defer`` served has failed (TensorFlow's error names it), the
+    error deferred is the one to raise. An op that failed for a reason of
+    its own (the user's, which their handler may be waiting for) raises its
+    own error; the deferred one waits for the next read through that handle,
+    or the tape's exit."""
+    failed = args[0] if args else kwargs.get("e")
+    if getattr(_tls, "deferred", None) is not None and (_tls.unpoisoned or POISON_NAME in str(failed)):
+        error = take_deferred()
+        if error is not None:
+            raise error.with_traceback(None) from None
     return wrapped(*args, **kwargs)
 
 

@@ -212,6 +212,27 @@ def test_reading_a_variable_written_through_a_handle_no_tape_can_name_is_refused
         run(mode, program)
 
 
+def test_a_refusal_deferred_by_a_touch_without_a_read_waits_for_the_read_not_an_unrelated_failure():
+    # tape.watch(c) touches c in TensorFlow's C++, which must not raise: the
+    # refusal is deferred. The user's own failing op next (an index out of
+    # range, which their handler expects) raises its own error; the refusal
+    # comes at the tape's exit (it replaced the user's error before).
+    uninstall()  # as in a process that never entered a tape: c is created unknown
+    x, c = tf.Variable(2.0), tf.Variable(1.5, name="made_before")
+    handle = c.handle
+    table = tf.constant([1.0, 2.0])
+    caught = []
+    with pytest.raises(UntrackedWriteError, match="made_before.*could name"):
+        with AssignAwareTape() as tape:
+            _write_through("assign", handle, x)
+            tape.watch(c)
+            try:
+                tf.gather(table, 5)
+            except tf.errors.InvalidArgumentError as error:
+                caught.append(error)
+    assert len(caught) == 1
+
+
 @modes
 def test_a_variable_made_after_import_before_any_tape_is_known_by_its_handle(mode):
     uninstall()
