@@ -366,10 +366,12 @@ def branch_gradient(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
         # tape of ours inside a recording accumulator: the accumulator's jvp
         # rewrote the cond, and TensorFlow's own assertion would fail bare.
         raise ControlFlowWriteError(
-            f"A reverse gradient (tf.gradients) through the tf.cond branch {func_graph.name!r} while a "
-            "ForwardAccumulator records: its forward mode already differentiated this cond, and "
-            "TensorFlow cannot build a second gradient of it here (a bare AssertionError). Take the "
-            "jvp and the reverse gradient in separate calls (each alone is right)."
+            f"A reverse gradient (a tape's, or tf.gradients) through the tf.cond branch {func_graph.name!r} "
+            "while a ForwardAccumulator records: its forward mode already differentiated this cond, "
+            "and TensorFlow cannot build a second gradient of it here (a bare AssertionError). Take "
+            "the jvp and the reverse gradient in separate calls (each alone is right); with the "
+            "accumulator outside a tf.function whose tape takes the gradient, call the function once "
+            "before opening it (traced outside the accumulator, it is differentiated right)."
         )
     # (Under an accumulator, TensorFlow's forward mode through the branch's
     # gradient can fail bare while the gradient is built: refused by name.)

@@ -329,3 +329,28 @@ def test_write_before_a_writing_cond_oracle_by_finite_differences() -> None:
             f = lambda z: float(_rewrite(tf.constant(z), before, branch))  # noqa: E731
             fd = (f(x + h * t) - f(x - h * t)) / (2 * h)
             np.testing.assert_allclose(_rewrite_jvp_and_grad(before, branch)[0], fd, rtol=1e-6)
+
+
+def test_eager_accumulator_around_the_first_call_of_a_tape_function_says_to_trace_first() -> None:
+    # The written value computed before the cond: the refusal comes from the
+    # branch's gradient, and names the workaround (which is right: y = (v h)^2
+    # with h = x, v = 1: y = x^2 = 4, dy/dx = 2x = 4, and the jvp along x 4).
+    x, v = tf.Variable(2.0), tf.Variable(1.0)
+
+    @tf.function
+    def step() -> Any:
+        with AssignAwareTape() as tape:
+            h = x * 1.0
+            tf.cond(x > 0, lambda: v.assign(v * h), lambda: v.assign(v))
+            y = v * v
+        return y, tape.gradient(y, x)
+
+    with pytest.raises(ControlFlowWriteError, match="call the function once before opening it"):
+        with tf.autodiff.ForwardAccumulator(x, tf.constant(1.0)):
+            step()
+    v.assign(1.0)
+    step()  # traced outside the accumulator
+    v.assign(1.0)
+    with tf.autodiff.ForwardAccumulator(x, tf.constant(1.0)) as acc:
+        y, grad = step()
+    assert (float(y), float(grad), float(acc.jvp(y))) == (4.0, 4.0, 4.0)
