@@ -337,18 +337,22 @@ def test_eager_accumulator_around_the_first_call_of_a_tape_function_says_to_trac
     # with h = x, v = 1: y = x^2 = 4, dy/dx = 2x = 4, and the jvp along x 4).
     x, v = tf.Variable(2.0), tf.Variable(1.0)
 
-    @tf.function
-    def step() -> Any:
-        with AssignAwareTape() as tape:
-            h = x * 1.0
-            tf.cond(x > 0, lambda: v.assign(v * h), lambda: v.assign(v))
-            y = v * v
-        return y, tape.gradient(y, x)
+    def make() -> Any:
+        @tf.function
+        def step() -> Any:
+            with AssignAwareTape() as tape:
+                h = x * 1.0
+                tf.cond(x > 0, lambda: v.assign(v * h), lambda: v.assign(v))
+                y = v * v
+            return y, tape.gradient(y, x)
+
+        return step
 
     with pytest.raises(ControlFlowWriteError, match="call the function once before opening it"):
         with tf.autodiff.ForwardAccumulator(x, tf.constant(1.0)):
-            step()
+            make()()
     v.assign(1.0)
+    step = make()
     step()  # traced outside the accumulator
     v.assign(1.0)
     with tf.autodiff.ForwardAccumulator(x, tf.constant(1.0)) as acc:
