@@ -261,7 +261,8 @@ class Refusals:
     random op whose state no variable holds, or compute with a tensor that
     the paused tapes watch and that was not given as an argument (a tensor
     the step closes over: the segment would cut its gradient). Each is a
-    ``RecomputeError``, raised at the op (before it runs, eagerly)."""
+    ``RecomputeError``, raised at the op (before it runs, eagerly); a
+    variable created, once the step has returned (``deferred``)."""
 
     def __init__(self, name: str, paused: List[Any], args: Sequence[Any], log: TouchLog, key: Any) -> None:
         self.name = name
