@@ -205,7 +205,8 @@ def test_an_interrupt_at_any_line_of_a_segments_backward_pass_leaves_no_tape_ope
         injector, problems = _backward_sweep_state(n)
         if problems:
             failures.append((n, problems))
+            break  # (what is left open breaks the later runs too)
         if not injector.fired:
             break
-    assert not failures, failures[:5]
+    assert not failures, failures
     assert n > 10
