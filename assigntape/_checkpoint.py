@@ -21,6 +21,7 @@ its boundary, and nothing from inside it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -30,7 +31,16 @@ import tensorflow as tf
 from assigntape import _registry, _resuming, _versions, _writes
 from assigntape._errors import RecomputeError
 from assigntape._record import CLOSED_WRITE, WriteRecord
-from assigntape._segment_checks import Refusals, TouchLog, assign, float_tensor, is_float, remove_callback
+from assigntape._segment_checks import (
+    Refusals,
+    TouchLog,
+    assign,
+    float_tensor,
+    is_float,
+    leave,
+    remove_callback,
+    resume,
+)
 from assigntape._segment_op import Segment, fingerprints
 from assigntape._tf import forwardprop, nest, op_callbacks, ops, pywrap_tfe, record
 
@@ -64,9 +74,11 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
     owners = scope.owners
     log = TouchLog(owners, scope.key)
     refusals = Refusals(name, paused, args, log, scope.key)
-    for r in paused:
-        r.pause()
     try:
+        # (inside the try whose finally resumes them: an interrupt among the
+        # pauses would leave the user's tapes not recording)
+        for r in paused:
+            r.pause()
         if any(_accumulating(ref()) for ref, _ in _registry.open_plain()):
             raise RecomputeError(
                 f"{name} was called while a ForwardAccumulator records around it: a segment is "
@@ -87,18 +99,28 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
                 "or the step without it there."
             )
         start = len(graph.get_operations()) if graph is not None else ops.uid()
+        # The creator and watcher scopes, exited in the finally below (an
+        # interrupt as a ``with`` block ends would leave them entered).
+        entered = contextlib.ExitStack()
         try:
             # (inside the try whose finally undoes them: an interrupt between
             # would leave the callback, and through it the tapes, behind)
             scope.owners = log
             op_callbacks.add_op_callback(refusals.callback)
-            with tf.variable_creator_scope(refusals.creator), record.VariableWatcher() as watcher:
-                result = run(*args)
+            entered.enter_context(tf.variable_creator_scope(refusals.creator))
+            watcher = entered.enter_context(record.VariableWatcher())
+            result = run(*args)
             # The variables TensorFlow's tapes would have watched (read through
             # the variable, not only by a raw op on a kept handle: 6d).
             accessed = {v._unique_id for v in watcher.watched_variables() if hasattr(v, "_unique_id")}
-            error, log.error = log.error, None  # (kept, it would hold its traceback's frames: a cycle)
+            # Refused once the step has returned: a variable it created (whose
+            # maker finished making it), a copy that failed.
+            error, log.error = (
+                refusals.deferred() or log.error,
+                None,
+            )  # (kept, it would hold its traceback's frames: a cycle)
             if error is not None:
+                refusals.refused = True
                 try:
                     raise error
                 finally:
@@ -106,22 +128,29 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
             if graph is not None:
                 refusals.scan(graph, start)
         except BaseException:
-            # Refused (or failed) part way: the variables and the tapes as
-            # before the step, as a refused write leaves them.
-            for var, value in log.touched.values():
-                if value is not None:
-                    assign(var, value)
-            _forget_inner_versions(scope, before, paused, lengths)
+            if refusals.refused:
+                # Refused: the variables and the tapes as before the step, as
+                # a refused write leaves them.
+                for var, value in log.touched.values():
+                    if value is not None:
+                        assign(var, value)
+                _forget_inner_versions(scope, before, paused, lengths)
+            else:
+                # The step's own error, or an interrupt: its writes stay, as
+                # without the wrapper, and the tapes keep the versions they
+                # made, as writes under their stop_recording() (a failed step
+                # is not recorded).
+                owners.update(log)
+            log.error = None  # (a cycle through its traceback)
             raise
         finally:
             # (One line: an interrupt there has it run once more, as a tape's exit does.)
-            try: _restore(scope, owners, refusals.callback)  # noqa: E701  # fmt: skip
+            try: _restore(scope, owners, refusals.callback, entered)  # noqa: E701  # fmt: skip
             except BaseException:
-                _restore(scope, owners, refusals.callback)
+                _restore(scope, owners, refusals.callback, entered)
                 raise
     finally:
-        for r in reversed(paused):
-            r.resume()
+        resume(paused)
     after = dict(scope.current)
     wrote = {uid: _wrote(paused, lengths, uid) for uid in log.touched}
     _forget_inner_versions(scope, before, paused, lengths)
@@ -193,9 +222,10 @@ def _wrote(records: List[Any], lengths: List[Dict[str, int]], uid: str) -> Optio
 _RESOLVES = frozenset([CLOSED_WRITE.op, "Identity"])
 
 
-def _restore(scope: _versions.Scope, owners: Dict[int, Any], callback: Any) -> None:
-    """The scope's owners and TensorFlow's op callbacks as before the
-    segment (again: no change)."""
+def _restore(scope: _versions.Scope, owners: Dict[int, Any], callback: Any, entered: contextlib.ExitStack[Any]) -> None:
+    """The scope's owners, TensorFlow's op callbacks and the scopes
+    ``entered`` as before the segment (again: no change)."""
+    leave(entered)
     scope.owners = owners
     remove_callback(callback)
 

@@ -10,7 +10,9 @@ step closes over.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from assigntape import _registry, _versions
@@ -216,6 +218,23 @@ class TouchLog(Dict[int, Any]):
                 self.error = error
 
 
+def resume(records: Sequence[Any]) -> None:
+    """Resumes each of ``records`` that is paused, last first (an interrupt
+    may have come before the pause of some)."""
+    for r in reversed(records):
+        if not r.recording():
+            r.resume()
+
+
+def leave(stack: contextlib.ExitStack[Any]) -> None:
+    """Exits what ``stack`` entered and has not exited yet, with the
+    exception being handled, if any: from a ``finally``, so that an
+    internal tape or scope is never left open, also when an interrupt comes
+    as a ``with`` block ends, before its exit is called (which no ``with``
+    can prevent). Called again after an interrupt, it exits what is left."""
+    stack.__exit__(*sys.exc_info())
+
+
 def remove_callback(callback: Any) -> None:
     """Removes an op callback, if it was added (an interrupt may have come first)."""
     if callback in context.context().op_callbacks:
@@ -242,7 +261,8 @@ class Refusals:
     random op whose state no variable holds, or compute with a tensor that
     the paused tapes watch and that was not given as an argument (a tensor
     the step closes over: the segment would cut its gradient). Each is a
-    ``RecomputeError``, raised at the op (before it runs, eagerly)."""
+    ``RecomputeError``, raised at the op (before it runs, eagerly); a
+    variable created, once the step has returned (``deferred``)."""
 
     def __init__(self, name: str, paused: List[Any], args: Sequence[Any], log: TouchLog, key: Any) -> None:
         self.name = name
@@ -255,13 +275,37 @@ class Refusals:
         # (also the reads TensorFlow's C fast path makes of a variable passed
         # to an op, which no op callback sees).
         self.first_id = ops.uid()
+        # The name of the first variable the step created (``creator``).
+        self.created: Optional[str] = None
+        # Whether this segment refused the step (``refuse``, ``deferred``; a
+        # failed copy, ``TouchLog.error``): then the step is undone. (Not the
+        # error itself: AutoGraph may raise a refusal from a function the step
+        # traces as a new error of the same type.)
+        self.refused = False
 
     def creator(self, next_creator: Callable[..., Any], **kwargs: Any) -> Any:
-        raise RecomputeError(
-            f"{self.name} created a variable ({kwargs.get('name') or 'unnamed'}) inside a checkpointed "
-            "step: its re-run in the backward pass would create another. Create every variable "
-            "before the step (build the model, and the optimizer: opt.build(model.trainable_variables))."
+        """Creates the variable and notes it: refused once the step has
+        returned (``deferred``), not here, in the middle of what creates it
+        (a Keras optimizer's ``build``, a ``tf.function``'s first trace),
+        which would leave that object half made for good."""
+        var = next_creator(**kwargs)
+        if self.created is None:
+            self.created = str(kwargs.get("name") or getattr(var, "name", None) or "unnamed")
+        return var
+
+    def deferred(self) -> Optional[RecomputeError]:
+        """The refusal of a variable created in the step (``creator``), if any."""
+        if self.created is None:
+            return None
+        self.refused = True
+        error: RecomputeError = RecomputeError(
+            f"{self.name} created a variable ({self.created}) inside a checkpointed step: its re-run "
+            "in the backward pass would create another. Create every variable before the step "
+            "(build the model, and the optimizer: opt.build(model.trainable_variables)). The "
+            "variables it created are kept (the step's writes undone): the step called again "
+            "finds them made."
         )
+        return error
 
     def callback(
         self, op_type: str, inputs: Any, attrs: Any, outputs: Any, op_name: Any = None, graph: Any = None
@@ -301,6 +345,12 @@ class Refusals:
                 self.inside.add(_key(t))
         return outputs
 
+    def refuse(self, message: str) -> RecomputeError:
+        """The refusal to raise, noted as this segment's."""
+        self.refused = True
+        error: RecomputeError = RecomputeError(message)
+        return error
+
     def running_here(self) -> bool:
         """Whether the op is the segment's: its scope is this thread's (or
         the one this thread acts for, ``_threads.acting_for``). TensorFlow's
@@ -323,7 +373,7 @@ class Refusals:
             return  # (an op that is not stateful changes no resource: an identity of a handle)
         for t in resources:
             if _variable_of(t, self.log) is None:
-                raise RecomputeError(
+                raise self.refuse(
                     f"{self.name} ran the op {op_type} on a resource made before the step that no "
                     "variable holds (a queue, a lookup table, an iterator, a seed generator): its "
                     "state changes as the step runs, so the re-run in the backward pass would see "
@@ -334,7 +384,7 @@ class Refusals:
                 )
 
     def refuse_seed(self, op_type: str) -> None:
-        raise RecomputeError(
+        raise self.refuse(
             f"{self.name} ran the op {op_type} with no seed (seed = seed2 = 0: TensorFlow draws a "
             "random one): its re-run in the backward pass would draw another (another shuffle "
             "order), a silently different gradient. Give it an op seed "
@@ -343,7 +393,7 @@ class Refusals:
         )
 
     def refuse_hidden_state(self, found: str) -> None:
-        raise RecomputeError(
+        raise self.refuse(
             f"{self.name} ran the stateful op {found}, whose result depends on a state no variable "
             "holds (a random op's or a candidate sampler's kernel state, a value received from "
             "outside the step): its re-run "
@@ -409,7 +459,7 @@ class Refusals:
             if stopped:
                 pywrap_tfe.TFE_Py_TapeSetStopOnThread()
         if watched:
-            raise RecomputeError(
+            raise self.refuse(
                 f"{self.name}: its op {op_type} takes a tensor that the tape differentiates and the "
                 "step closes over: a segment would cut its gradient. Pass it as an argument, "
                 "checkpointed(fn)(tensor), or read it from a variable."

@@ -9,6 +9,7 @@ variables back as they were.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -17,7 +18,17 @@ import tensorflow as tf
 
 from assigntape import _registry, _threads
 from assigntape._errors import RecomputeError, UntrackedWriteError
-from assigntape._segment_checks import Refusals, TouchLog, assign, float_tensor, is_float, read, remove_callback
+from assigntape._segment_checks import (
+    Refusals,
+    TouchLog,
+    assign,
+    float_tensor,
+    is_float,
+    leave,
+    read,
+    remove_callback,
+    resume,
+)
 from assigntape._tape import AssignAwareTape
 from assigntape._tf import indexed_slices, nest, op_callbacks, ops, record, tensor_lib
 
@@ -59,11 +70,14 @@ class Segment:
         float tensors returned)."""
         key = _registry.current_key()
         scopes = _registry._scopes()
-        outer = scopes.pop(key, None)
-        paused = [r for r in outer.records if r.recording()] if outer is not None else []
-        for r in paused:
-            r.pause()
+        outer, paused = None, []
         try:
+            # (inside the try whose finally puts them back: an interrupt
+            # before it would leave the tape's scope gone, its tapes paused)
+            outer = scopes.pop(key, None)
+            paused = [r for r in outer.records if r.recording()] if outer is not None else []
+            for r in paused:
+                r.pause()
             self._refuse_other_threads()
             saved = [(var, read(var)) for var, _ in self.touched.values()]
             try:
@@ -76,8 +90,7 @@ class Segment:
             # variable the check above could not name)
             raise RecomputeError(_other_thread_message(self.name, str(error))) from error
         finally:
-            for r in reversed(paused):
-                r.resume()
+            resume(paused)
             if outer is not None:
                 scopes[key] = outer
         return self._refuse_second_order(grads, upstream)
@@ -139,7 +152,12 @@ class Segment:
             for var, value in self.touched.values():
                 assign(var, value)
         tensors = [a for a in self.args if float_tensor(a)]
-        with AssignAwareTape() as tape:
+        # The re-run's tape, exited in the finally (not by a ``with``: an
+        # interrupt as its block ends, before its exit is called, would leave
+        # it open for the process, and no user object could close it).
+        entered = contextlib.ExitStack()
+        try:
+            tape = entered.enter_context(AssignAwareTape())
             scope = tape._scope
             assert scope is not None
             log = scope.owners = TouchLog(scope.owners, scope.key)
@@ -149,6 +167,12 @@ class Segment:
             tape.watch(tensors)
             notes = Refusals(self.name, [], self.args, log, scope.key)
             result = _run_noted(notes, self.run, self.args)
+        finally:
+            # (One line: an interrupt there has it run once more, as a tape's exit does.)
+            try: leave(entered)  # noqa: E701  # fmt: skip
+            except BaseException:
+                leave(entered)
+                raise
         # A variable the first run did not touch has no copy; one it wrote and
         # the re-run did not (or the other way) is another step.
         wrote = {uid for uid in tape._record.versions}

@@ -12,6 +12,7 @@ import numpy as np
 from assigntape import _registry
 from assigntape._checkpoint import run_segment
 from assigntape._errors import RecomputeError
+from assigntape._segment_checks import resume
 from assigntape._tf import tensor_lib
 
 __all__ = ["unroll"]
@@ -102,10 +103,9 @@ def _cut_steps(fn: Callable[[], Any], n: int) -> Any:
     scopes = getattr(_registry._tls, "scopes", None)
     scope = _registry._enclosing_scope(scopes) if scopes else None
     paused = [r for r in scope.records if r.recording()] if scope is not None else []
-    for r in paused:
-        r.pause()
     try:
+        for r in paused:  # (in the try: an interrupt among them resumes those paused)
+            r.pause()
         return _steps(fn, n)
     finally:
-        for r in reversed(paused):
-            r.resume()
+        resume(paused)
