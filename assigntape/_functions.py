@@ -110,7 +110,11 @@ def _graph_writes(graph: Any) -> Dict[int, str]:
         return cached
     position = {id(t): i for i, t in enumerate(graph.inputs)}
     written: Dict[int, str] = {}
+    # (A variable's initialization, made with it in the trace: not a write.)
+    initializing = _registry.initializer_ops.get(graph, ())
     for op in graph.get_operations():
+        if op.name in initializing:
+            continue
         if op.type in _PASSES_HANDLES:
             # A handle passed on stands for its input: what writes it writes that.
             for t, out in zip(op.inputs, op.outputs):
@@ -260,6 +264,8 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     found = _branches.call_context()
     if found is None and not (_resuming.closed_tapes or _registry.any_scopes()):
         return wrapped(*args, **kwargs)
+    if getattr(_initializing, "depth", 0):
+        return wrapped(*args, **kwargs)  # variables given their first values (``initializing``)
     arguments = bind(("tensor_inputs", "captured_inputs"), args, kwargs)
     tensor_inputs = list(arguments["tensor_inputs"])
     captured_in = list(arguments["captured_inputs"])
@@ -307,6 +313,25 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     result = _run_under_tape(instance, wrapped, tensor_inputs, captured)
     cut_writes(scope, writes, context)
     return result
+
+
+def initializing(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``Function._initialize_uninitialized_variables``: after the first trace
+    of a ``tf.function`` that made variables, TensorFlow calls a function of
+    its own (``initialize_variables``) that gives them their first values,
+    lifted out of the trace. That is creation, not a write a tape
+    differentiates (semantics, rule 5; ``_serving.constructing`` for the
+    same write left in the trace): its call runs as plain TensorFlow (it was
+    refused as a function that writes, and the variables stayed
+    uninitialized for good)."""
+    _initializing.depth = getattr(_initializing, "depth", 0) + 1
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _initializing.depth -= 1
+
+
+_initializing = threading.local()
 
 
 def _wrapping_a_cond_being_built(instance: Any) -> bool:

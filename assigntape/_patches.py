@@ -275,6 +275,9 @@ def _attribute_patches() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (iterator_ops.Iterator, "get_next_as_optional", _datasets.graph_next_element),
         # A tf.function given datasets or iterators as arguments (_datasets).
         (Function, "_call", _datasets.function_call),
+        # Variables a tf.function made on its first trace, given their first
+        # values by TensorFlow (_functions).
+        (Function, "_initialize_uninitialized_variables", _functions.initializing),
         (ConcreteFunction, "__call__", _datasets.function_call),
         # Reads of variables written through handles no tape could name (_versions).
         (eager_tape, "variable_accessed", _serving.accessed),

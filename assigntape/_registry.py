@@ -273,6 +273,10 @@ def _unlist_listed_locked(scope: Scope) -> None:
 # a weak reference to the variable (None: only its id is known). A call of
 # such a graph holds them against other threads (``_compiled_tapes``).
 tape_graphs: "weakref.WeakKeyDictionary[Any, Dict[str, Any]]" = weakref.WeakKeyDictionary()
+# Per function graph, the names of the ops a variable's construction made
+# there (its initialization: ``_serving.constructing``), which are no writes
+# of the function's (``_functions``).
+initializer_ops: "weakref.WeakKeyDictionary[Any, Set[str]]" = weakref.WeakKeyDictionary()
 
 
 def _note_tape_graph(scope: Scope) -> None:

@@ -16,7 +16,16 @@ from typing import Any, Dict, Optional, Tuple
 
 from assigntape import _signals
 from assigntape._refusals import refuse_unnamed
-from assigntape._registry import _GRAPH_STACK, _all_scopes, _enclosing_scope, _tls, _with_unnamed, eager_scope, served
+from assigntape._registry import (
+    _GRAPH_STACK,
+    _all_scopes,
+    _enclosing_scope,
+    _tls,
+    _with_unnamed,
+    eager_scope,
+    initializer_ops,
+    served,
+)
 from assigntape._resolve import _RESOURCE_VARIABLE, resolve
 from assigntape._resuming import _closed_records, _closed_refs, cut_on_first_read
 from assigntape._tf import (
@@ -125,10 +134,21 @@ def constructing(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     in the function's graph, is creation, not a write a tape differentiates
     (as an eager variable's is not): left to TensorFlow."""
     _tls.constructing = getattr(_tls, "constructing", 0) + 1
+    graph = ops.get_default_graph()
+    before = len(graph.get_operations())
     try:
         return wrapped(*args, **kwargs)
     finally:
         _tls.constructing -= 1
+        # Its ops (the initializing cond among them), which a call of the
+        # function that runs them does not write through (``_functions``:
+        # TensorFlow's first call of a function whose initial values it
+        # could not lift out of the trace runs that cond).
+        made = {op.name for op in graph.get_operations()[before:]}
+        try:
+            initializer_ops.setdefault(graph, set()).update(made)
+        except TypeError:
+            pass  # a graph that is not weakly referable: its writes stay counted
 
 
 def accessed(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:

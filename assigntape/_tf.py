@@ -222,6 +222,7 @@ PRIVATE: List[Tuple[Any, str, str]] = [
     (multi_device_iterator_ops.OwnedMultiDeviceIterator, "__init__", "tf.distribute's per-device iterators"),
     (Function, "_call", "a tf.function call, with the datasets among its arguments"),
     (Function, "python_function", "a writing tf.function's body, traced inline in a tape's graph"),
+    (Function, "_initialize_uninitialized_variables", "variables a first trace made, given their values"),
     (autograph_api, "converted_call", "AutoGraph's conversion of that body, as the trace calls it"),
     (autograph_converter, "ConversionOptions", "the options of that conversion"),
     (ConcreteFunction, "__call__", "a concrete function's call, with the datasets among its arguments"),

@@ -246,3 +246,48 @@ def test_function_reading_with_a_raw_op_is_remapped():
         v.assign(x * 6.0)
         y = read_raw()
     assert float(y) == 12.0 and float(tape.gradient(y, x)) == 6.0
+
+
+# A tf.function that makes its variable on its first call, called first under
+# an eager tape: the variable's initialization is creation, not a write
+# (semantics, rule 5), whether TensorFlow lifts it out of the trace (an
+# ``initialize_variables`` function of its own) or, when the initial value
+# depends on an argument, runs it in a cond in the call. Both were refused as
+# a function that writes, and the variable stayed uninitialized for good.
+# Rewrite: w a new variable (its initial value not differentiated); y = x w.
+
+
+class _LazyScale(tf.Module):
+    def __init__(self, from_argument: bool) -> None:
+        self.w = None
+        self.from_argument = from_argument
+
+    @tf.function
+    def __call__(self, x):
+        if self.w is None:
+            self.w = tf.Variable(x * 2.0 if self.from_argument else 2.0)
+        return x * self.w
+
+
+@pytest.mark.parametrize("from_argument", [False, True], ids=["lifted", "in_the_call"])
+def test_a_function_making_its_variable_on_its_first_call_under_an_eager_tape(from_argument):
+    module, x = _LazyScale(from_argument), tf.Variable(3.0)
+    with AssignAwareTape() as tape:
+        y = module(x)
+    w = 6.0 if from_argument else 2.0
+    assert float(y) == 3.0 * w and float(tape.gradient(y, x)) == w
+    assert float(module(tf.constant(1.0))) == w  # outside every tape, later
+
+
+def test_a_keras_layer_built_in_its_first_call_of_a_function_under_an_eager_tape():
+    import keras
+
+    layer = keras.layers.Dense(1, kernel_initializer="ones", bias_initializer="zeros")
+    apply = tf.function(lambda x: layer(x))
+    x = tf.Variable([[1.0, 2.0]])
+    with AssignAwareTape() as tape:
+        y = tf.reduce_sum(apply(x))
+    # y = x . kernel + bias with kernel ones: 3, dy/dx = kernel^T = [1, 1].
+    assert float(y) == 3.0
+    np.testing.assert_array_equal(tape.gradient(y, x).numpy(), [[1.0, 1.0]])
+    np.testing.assert_array_equal(apply(tf.constant([[1.0, 1.0]])).numpy(), [[2.0]])
