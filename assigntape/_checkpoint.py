@@ -132,7 +132,7 @@ def run_segment(name: str, run: Callable[..., Any], args: Sequence[Any], returns
                 # Refused: the variables and the tapes as before the step, as
                 # a refused write leaves them.
                 for var, value in log.touched.values():
-                    if value is not None:
+                    if value is not None and var._unique_id not in refusals.created_ids:
                         assign(var, value)
                 _forget_inner_versions(scope, before, paused, lengths)
             else:

@@ -277,6 +277,9 @@ class Refusals:
         self.first_id = ops.uid()
         # The name of the first variable the step created (``creator``).
         self.created: Optional[str] = None
+        # The unique ids of the variables the step created (kept as made:
+        # not put back to a value taken before their initialization).
+        self.created_ids: Set[str] = set()
         # Whether this segment refused the step (``refuse``, ``deferred``; a
         # failed copy, ``TouchLog.error``): then the step is undone. (Not the
         # error itself: AutoGraph may raise a refusal from a function the step
@@ -289,6 +292,9 @@ class Refusals:
         (a Keras optimizer's ``build``, a ``tf.function``'s first trace),
         which would leave that object half made for good."""
         var = next_creator(**kwargs)
+        uid = getattr(var, "_unique_id", None)
+        if uid is not None:
+            self.created_ids.add(uid)
         if self.created is None:
             self.created = str(kwargs.get("name") or getattr(var, "name", None) or "unnamed")
         return var

@@ -71,11 +71,13 @@ def test_an_optimizer_built_in_a_refused_step_is_whole_afterwards(make_optimizer
         np.testing.assert_allclose(v.numpy(), expected.numpy(), rtol=1e-6)
 
 
-def test_a_function_making_its_variable_in_a_refused_compiled_step_works_afterwards():
-    """s09 (the tape in a ``tf.function``): a ``tf.function`` that makes its
-    variable on its first trace, called in a checkpointed step. The refusal
-    raised from inside that trace left the function unusable for the
-    process ("Creating variables on a non-first call")."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_function_making_its_variable_in_a_refused_step_works_afterwards(compiled):
+    """s09: a ``tf.function`` that makes its variable on its first trace,
+    called in a checkpointed step. The refusal raised from inside that trace
+    left the function unusable for the process ("Creating variables on a
+    non-first call"); eagerly, the step's undoing then put the new variable
+    back to the value it had before its initialization (empty)."""
 
     class Scale(tf.Module):
         def __init__(self):
@@ -93,13 +95,12 @@ def test_a_function_making_its_variable_in_a_refused_compiled_step_works_afterwa
         v.assign(scale(v))
         return v * 1.0
 
-    @tf.function
     def program():
         with AssignAwareTape():
             checkpointed(step)()
 
     with pytest.raises(RecomputeError, match="created a variable"):
-        program()
+        (tf.function(program) if compiled else program)()
     assert float(v) == 1.0
     assert float(scale(tf.constant(3.0))) == 6.0  # outside every tape: 3 * 2
 
