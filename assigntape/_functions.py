@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from assigntape import (
     _branches,
@@ -264,13 +264,13 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
     found = _branches.call_context()
     if found is None and not (_resuming.closed_tapes or _registry.any_scopes()):
         return wrapped(*args, **kwargs)
-    if getattr(_initializing, "depth", 0):
-        return wrapped(*args, **kwargs)  # variables given their first values (``initializing``)
     arguments = bind(("tensor_inputs", "captured_inputs"), args, kwargs)
     tensor_inputs = list(arguments["tensor_inputs"])
     captured_in = list(arguments["captured_inputs"])
     if found is None:
-        outside = function_writes(instance, tensor_inputs + captured_in) + captured_iterators(instance, captured_in)
+        outside = _not_initializing(
+            function_writes(instance, tensor_inputs + captured_in) + captured_iterators(instance, captured_in)
+        )
         if outside:
             outside_writes(outside, _context(instance))
         return wrapped(*args, **kwargs)
@@ -295,7 +295,9 @@ def call_function(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs:
         h if v is None else _branches.version_in(scope, branch, v)
         for h, v in ((h, scope.canonical.get(id(h))) for h in captured_in)
     ]
-    found_writes = function_writes(instance, tensor_inputs + captured_in) + captured_iterators(instance, captured_in)
+    found_writes = _not_initializing(
+        function_writes(instance, tensor_inputs + captured_in) + captured_iterators(instance, captured_in)
+    )
     unlisted = [w for w in found_writes if w[0] is None]
     if len(unlisted) == len(found_writes):
         # Datasets known only by their variant: noted by the trace, or captured
@@ -321,17 +323,30 @@ def initializing(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
     its own (``initialize_variables``) that gives them their first values,
     lifted out of the trace. That is creation, not a write a tape
     differentiates (semantics, rule 5; ``_serving.constructing`` for the
-    same write left in the trace): its call runs as plain TensorFlow (it was
-    refused as a function that writes, and the variables stayed
-    uninitialized for good)."""
-    _initializing.depth = getattr(_initializing, "depth", 0) + 1
+    same write left in the trace): its writes of those variables are not
+    the function's writes (they were refused, and the variables stayed
+    uninitialized for good). Any other write it makes (an initial value
+    computed by writing another variable) is, as anywhere."""
+    initializers = args[0] if args else kwargs.get("initializers", ())
+    handles = {id(v.__dict__.get("_handle")) for v, _ in initializers or ()}
+    saved: FrozenSet[int] = getattr(_initializing, "handles", frozenset())
+    _initializing.handles = saved | frozenset(handles)
     try:
         return wrapped(*args, **kwargs)
     finally:
-        _initializing.depth -= 1
+        _initializing.handles = saved
 
 
 _initializing = threading.local()
+
+
+def _not_initializing(writes: List[Write]) -> List[Write]:
+    """``writes`` but those of variables TensorFlow is giving their first
+    values (``initializing``)."""
+    handles = getattr(_initializing, "handles", None)
+    if not handles:
+        return writes
+    return [w for w in writes if id(w[0]) not in handles]
 
 
 def _wrapping_a_cond_being_built(instance: Any) -> bool:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from assigntape import _registry, _versions
 from assigntape._errors import RecomputeError
 from assigntape._tf import (
+    UnliftedInitializerVariable,
     context,
     dtypes,
     gen_resource_variable_ops,
@@ -277,8 +278,9 @@ class Refusals:
         self.first_id = ops.uid()
         # The name of the first variable the step created (``creator``).
         self.created: Optional[str] = None
-        # The unique ids of the variables the step created (kept as made:
-        # not put back to a value taken before their initialization).
+        # The unique ids of the variables the step created in a tf.function's
+        # first trace, whose value its first touch took before TensorFlow
+        # initialized them: kept as made, not put back to that.
         self.created_ids: Set[str] = set()
         # Whether this segment refused the step (``refuse``, ``deferred``; a
         # failed copy, ``TouchLog.error``): then the step is undone. (Not the
@@ -293,7 +295,7 @@ class Refusals:
         which would leave that object half made for good."""
         var = next_creator(**kwargs)
         uid = getattr(var, "_unique_id", None)
-        if uid is not None:
+        if uid is not None and isinstance(var, UnliftedInitializerVariable):
             self.created_ids.add(uid)
         if self.created is None:
             self.created = str(kwargs.get("name") or getattr(var, "name", None) or "unnamed")

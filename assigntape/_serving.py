@@ -140,11 +140,15 @@ def constructing(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         return wrapped(*args, **kwargs)
     finally:
         _tls.constructing -= 1
-        # Its ops (the initializing cond among them), which a call of the
-        # function that runs them does not write through (``_functions``:
-        # TensorFlow's first call of a function whose initial values it
-        # could not lift out of the trace runs that cond).
-        made = {op.name for op in graph.get_operations()[before:]}
+        # The ops it made on its own handle (the initializing cond), which a
+        # call of the function that runs them does not write through
+        # (``_functions``: TensorFlow's first call of a function whose initial
+        # values it could not lift out of the trace runs that cond). Not the
+        # others: an initial value computed by writing another variable
+        # writes that one.
+        own = instance.__dict__.get("_handle")
+        handles = {id(own)} | {id(i) for e, i in getattr(graph, "captures", ()) if e is own}
+        made = {op.name for op in graph.get_operations()[before:] if any(id(t) in handles for t in op.inputs)}
         try:
             initializer_ops.setdefault(graph, set()).update(made)
         except TypeError:

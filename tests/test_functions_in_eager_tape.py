@@ -291,3 +291,21 @@ def test_a_keras_layer_built_in_its_first_call_of_a_function_under_an_eager_tape
     assert float(y) == 3.0
     np.testing.assert_array_equal(tape.gradient(y, x).numpy(), [[1.0, 1.0]])
     np.testing.assert_array_equal(apply(tf.constant([[1.0, 1.0]])).numpy(), [[2.0]])
+
+
+def test_an_initial_value_computed_by_writing_another_variable_is_that_variables_write():
+    # Only the new variable's own initialization is creation: w.assign(x) in
+    # its initial value is a write of w, made in a function called from the
+    # eager tape: refused (it passed, and dy/dx was 3 for the rewrite's 6).
+    w, x, holder = tf.Variable(2.0), tf.Variable(3.0), []
+
+    @tf.function
+    def make():
+        if not holder:
+            holder.append(tf.Variable(lambda: w.assign(x * 1.0) * 1.0))
+        return holder[0] * 1.0
+
+    with pytest.raises(UntrackedWriteError, match="writes variable"):
+        with AssignAwareTape():
+            make()
+    assert float(w) == 2.0
