@@ -422,6 +422,26 @@ def running_under_tape(graph: Any) -> bool:
     return False
 
 
+def _refuse_uninitialized(function: Any) -> None:
+    """Before ``inline`` traces ``function``'s body in place of its call: the
+    variables its own first trace made must have their values. TensorFlow
+    gives them those in the call it makes, which is not made when the value
+    depends on an argument (an initializing cond in the function's graph):
+    inlined, the variable stayed uninitialized, and reads gave an empty
+    tensor, silently."""
+    made = [ref() for ref in getattr(function, "_created_variables", None) or ()]
+    with ops.init_scope():
+        for var in made:
+            if var is not None and not bool(resource_variable_ops.var_is_initialized_op(var.handle)):
+                raise ControlFlowWriteError(
+                    f"tf.function {function.name!r}, which writes a variable the tape follows, is "
+                    f"traced inline in the tape's tf.function, and its first call made variable "
+                    f"{var.name!r} from an argument, which only the function's own call initializes. "
+                    "Make the variable before the tape's function (call this function once outside "
+                    "it), or give it an initial value that does not depend on an argument."
+                )
+
+
 class _Inline(Exception):
     """From ``call_function`` to ``inline``: this call's function writes a
     variable the tape in this graph follows; trace its body here instead.
@@ -460,6 +480,7 @@ def inline(wrapped: Callable[..., Any], function: Any, args: Any, kwargs: Any) -
         pass
     finally:
         stack.pop()
+    _refuse_uninitialized(function)
     body = function.python_function
     if function.input_signature is not None:
         args = _as_signed(function.input_signature, args)

@@ -167,3 +167,37 @@ def test_a_function_that_only_reads_is_called_as_itself(xla: bool) -> None:
     assert float(outer()) == 6.0  # y = 3 (2 v0): dy/dv0 = 6
     if not xla:
         assert "StatefulPartitionedCall" in _ops(outer) or "PartitionedCall" in _ops(outer)
+
+
+def test_a_writing_function_whose_first_call_makes_a_variable_from_its_argument_is_refused_inline(xla: bool) -> None:
+    # Traced inline in the tape's function, the call TensorFlow makes to
+    # initialize such a variable (a cond in the function's own graph) is not
+    # made: the variable stayed uninitialized and reads gave an empty tensor,
+    # silently (y = [] where the rewrite has 18). Refused by name instead; a
+    # variable with a constant initial value is initialized by TensorFlow
+    # before the call, and inlining is right (y = 6, dy/dx = 2).
+    import assigntape
+
+    for from_argument in (True, False):
+        x, holder = tf.Variable(3.0), []
+
+        @tf.function
+        def make(a: Any) -> Any:
+            if not holder:
+                holder.append(tf.Variable(a * 1.0 if from_argument else 2.0))
+            holder[0].assign(holder[0] * 1.0)
+            return tf.constant(0.0)
+
+        @tf.function(jit_compile=xla)
+        def outer(a: Any) -> Any:
+            with AssignAwareTape() as tape:
+                make(a)
+                y = holder[0] * x
+            return y, tape.gradient(y, x)
+
+        if from_argument:
+            with pytest.raises(assigntape.ControlFlowWriteError, match="from an argument"):
+                outer(tf.constant(2.0))
+        else:
+            y, grad = outer(tf.constant(2.0))
+            assert (float(y), float(grad)) == (6.0, 2.0)
