@@ -259,7 +259,11 @@ def _run_noted(notes: Refusals, run: Callable[..., Any], args: Sequence[Any]) ->
         op_callbacks.add_op_callback(notes.callback)
         return run(*args)
     finally:
-        remove_callback(notes.callback)
+        # (One line: an interrupt there has it run once more, as a tape's exit does.)
+        try: remove_callback(notes.callback)  # noqa: E701  # fmt: skip
+        except BaseException:
+            remove_callback(notes.callback)
+            raise
 
 
 def _other_thread_message(name: str, found: str) -> str:

@@ -52,6 +52,11 @@ def _no_tensorflow_state_left() -> object:
         scope._caching_device = None  # (set_caching_device refuses eagerly)
     if not context.executing_eagerly():
         left.append("a graph as the default (eager execution off)")
+    callbacks = context.context().op_callbacks
+    if callbacks:
+        left.append(f"op callbacks ({callbacks!r})")
+        for callback in list(callbacks):
+            context.context().remove_op_callback(callback)
     if tf.distribute.has_strategy():
         left.append(f"a strategy scope ({tf.distribute.get_strategy()!r})")
     assert not left, "the test left TensorFlow's state changed: " + "; ".join(left)
